@@ -1,0 +1,1111 @@
+"""PrefixIndex: vLLM KV events in, longest-prefix matches out.
+
+Contract sections 2-4 and 6 (``shared/spec/indexer-contract.md``) in one object:
+
+* :meth:`PrefixIndex.apply` decodes one batch payload exactly as it came off the
+  wire and applies it (stores, removals, clears, placeholders) to the trees of
+  the worker's model;
+* :meth:`PrefixIndex.match` / :meth:`PrefixIndex.match_by_keys` answer which
+  worker holds the longest prefix of a prompt, per tier and group, with the
+  engine-style ``total`` and a best-replica score;
+* worker lifecycle (drop, stale marks, freshness) and :meth:`PrefixIndex.stats`.
+
+Every public method takes one lock, so a query never sees a half-applied batch
+(R-Q-5) and waits behind at most one batch. The lock is cheap; the ingest layer
+decides which threads call in.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any, Iterable, Sequence
+
+import msgspec
+
+from .keys import KEY_SEED, block_keys, query_extra_keys, seeds_for_blocks, tokens_to_bytes
+from .result import MatchResult, WorkerMatch
+from .tree import DEAD, MAX_TIERS, Node, Tree
+from .wire import CLEARED, REMOVED, STORED, DecodeError, decode_batch, decode_tokens, raw_array_len
+
+__all__ = ["PrefixIndex", "DEFAULT_CREDITS", "DEFAULT_GROUP_KINDS"]
+
+DEFAULT_CREDITS = {"GPU": 1.0, "CPU": 0.75, "STORAGE": 0.25}
+# R-APP-10: groups whose headline figures count. None stands for "unknown".
+DEFAULT_GROUP_KINDS = frozenset(
+    {"full_attention", "mla_attention", "sink_full_attention", "unknown", None}
+)
+GPU = 0  # tier id of "GPU", fixed
+
+_now = time.monotonic
+
+
+class _WG:
+    """One worker's state in one KV-cache group."""
+
+    __slots__ = ("map", "orphans", "res", "chunk")
+
+    def __init__(self) -> None:
+        self.map: dict = {}  # engine hash -> Node (R-APP-2 / R-APP-3 resolution)
+        self.orphans: dict = {}  # missing parent hash -> [pending store, ...]
+        self.res = [0] * MAX_TIERS  # resident entries per tier id
+        self.chunk: dict = {}  # tier id -> blocks per chunk, learned from rich stores
+
+
+class _Worker:
+    __slots__ = (
+        "wid", "bit", "engine", "dp_rank", "model", "groups", "last_seq", "last_ts",
+        "last_apply", "stale", "stale_reason", "dropped", "batches", "restarts", "gaps",
+    )
+
+    def __init__(self, wid: int, engine: str, dp_rank: int, model: str) -> None:
+        self.wid = wid
+        self.bit = 1 << wid
+        self.engine = engine
+        self.dp_rank = dp_rank
+        self.model = model
+        self.groups: dict[int, _WG] = {}
+        self.last_seq: int | None = None
+        self.last_ts: float | None = None
+        self.last_apply: float | None = None
+        self.stale = False
+        self.stale_reason: str | None = None
+        self.dropped: dict[str, int] = {}
+        self.batches = 0
+        self.restarts = 0
+        self.gaps = 0
+
+
+class _Model:
+    __slots__ = ("name", "trees", "kinds", "workers")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.trees: dict[int, Tree] = {}
+        self.kinds: dict[int, str | None] = {}
+        self.workers: dict[int, _Worker] = {}
+
+    def default_groups(self) -> list[int]:
+        gs = [g for g in self.trees if self.kinds.get(g) in DEFAULT_GROUP_KINDS]
+        return sorted(gs) if gs else sorted(self.trees)
+
+
+_EVENT_NAMES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+
+
+class PrefixIndex:
+    """The in-process prefix index (no I/O, no threads of its own).
+
+    Parameters
+    ----------
+    credits:
+        Tier credits for the score (R-Q-3). Defaults GPU 1.0, CPU 0.75, STORAGE 0.25;
+        a tier without a credit scores 0.
+    total_chain:
+        The tiers the engine loads from, in order, for ``total`` (R-Q-2).
+    stale_factor:
+        Multiplier applied to a stale worker's score when ranking (R-Q-3).
+    max_orphans, orphan_ttl_s:
+        Bounds of the orphan buffer (R-APP-3): buffered stores, and their age.
+    max_nodes:
+        Per-tree node cap; ``None`` for none. When exceeded, the least recently
+        stored leaves are evicted with all their residency (R-APP-9).
+    max_dp_rank, max_groups, max_tiers:
+        Bounds on what a publisher can make the index allocate (R-BAD-3).
+    """
+
+    def __init__(
+        self,
+        *,
+        credits: dict[str, float] | None = None,
+        total_chain: Sequence[str] = ("GPU", "CPU", "STORAGE"),
+        stale_factor: float = 0.5,
+        max_orphans: int = 10_000,
+        orphan_ttl_s: float = 30.0,
+        max_nodes: int | None = None,
+        max_dp_rank: int = 1023,
+        max_groups: int = 64,
+        max_tiers: int = MAX_TIERS,
+        clock=_now,
+    ) -> None:
+        self.credits = dict(DEFAULT_CREDITS if credits is None else credits)
+        self.total_chain = tuple(t.upper() for t in total_chain)
+        self.stale_factor = float(stale_factor)
+        self.max_orphans = int(max_orphans)
+        self.orphan_ttl_s = float(orphan_ttl_s)
+        self.max_nodes = max_nodes
+        self.max_dp_rank = int(max_dp_rank)
+        self.max_groups = int(max_groups)
+        self.max_tiers = min(int(max_tiers), MAX_TIERS)
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._models: dict[str, _Model] = {}
+        self._workers: dict[tuple[str, int], _Worker] = {}
+        self._free_wids: list[int] = []
+        self._next_wid = 0
+        # Tier names <-> ids; GPU is 0. The cache maps raw (medium, ownership) to an id.
+        self._tier_names: list[str] = ["GPU"]
+        self._tier_ids: dict[str, int] = {"GPU": 0}
+        self._tier_cache: dict = {None: 0}
+        self._orphan_queue: deque = deque()  # (t, wg, parent_hash, entry) in arrival order
+        self._orphans = 0
+        self._counters: dict[str, int] = {}
+        self._events: dict[tuple[str, str], int] = {}
+        self._dropped: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ apply
+
+    def apply(
+        self,
+        engine: str,
+        payload: bytes,
+        *,
+        model: str = "default",
+        dp_rank: int | None = None,
+        seq: int | None = None,
+    ) -> str:
+        """Decode and apply one batch payload (frame 3 of a vLLM live message).
+
+        ``dp_rank=None`` takes the rank from the batch (R-DEC-4: the batch's rank
+        wins when present). With ``seq`` the sequence rules apply: an already
+        applied sequence is skipped (R-STR-1); one that goes backwards with a newer
+        batch timestamp is an engine restart and drops the worker's residency first
+        (R-STR-5); a forward jump is counted as a gap.
+
+        Returns ``"applied"``, ``"duplicate"`` or ``"dropped"`` (the payload did not
+        decode: counted per worker and reason, nothing indexed is touched, R-DEC-3).
+        """
+        with self._lock:
+            try:
+                batch = decode_batch(payload)
+            except DecodeError as e:
+                self._drop(engine, model, dp_rank, e.reason)
+                return "dropped"
+            rank = batch.dp_rank if batch.dp_rank is not None else (dp_rank or 0)
+            if rank.__class__ is not int or rank < 0 or rank > self.max_dp_rank:
+                self._drop(engine, model, dp_rank, "bad_dp_rank")
+                return "dropped"
+            w = self._worker(engine, rank, model)
+            if seq is not None:
+                last = w.last_seq
+                if last is not None:
+                    if seq <= last:
+                        if w.last_ts is not None and batch.ts > w.last_ts:
+                            self._restart(w)
+                        else:
+                            self._count("batches_duplicate")
+                            return "duplicate"
+                    elif seq > last + 1:
+                        w.gaps += 1
+                        self._count("sequence_gaps")
+                elif seq > 0:
+                    w.gaps += 1
+                    self._count("sequence_gaps")
+                w.last_seq = seq
+            for k, v in batch.issues.items():
+                self._events[("unknown", k)] = self._events.get(("unknown", k), 0) + v
+            self._apply_events(w, batch.events)
+            w.last_ts = batch.ts
+            w.last_apply = self._clock()
+            w.batches += 1
+            self._count("batches_applied")
+            if self._orphans:
+                self._expire_orphans()
+            return "applied"
+
+    def _apply_events(self, w: _Worker, events) -> None:
+        ev_counts = self._events
+        for ev in events:
+            kind = ev.kind
+            if kind == STORED:
+                outcome = self._on_store(w, ev)
+            elif kind == REMOVED:
+                outcome = self._on_remove(w, ev)
+            else:
+                outcome = self._on_clear(w)
+            key = (_EVENT_NAMES[kind], outcome)
+            ev_counts[key] = ev_counts.get(key, 0) + 1
+
+    def _tier(self, medium, ownership) -> int:
+        """Tier id of an event (contract §1 Tier); -1 once ``max_tiers`` are in use."""
+        ck = medium if ownership is None else (medium, ownership)
+        tid = self._tier_cache.get(ck)
+        if tid is not None:
+            return tid
+        if not isinstance(medium, (str, type(None))) or not isinstance(ownership, (str, type(None))):
+            return -1
+        name = (medium or "GPU").upper()
+        if ownership is not None:
+            name = f"{name}:{ownership}"
+        tid = self._tier_ids.get(name)
+        if tid is None:
+            if len(self._tier_names) >= self.max_tiers:
+                return -1
+            tid = len(self._tier_names)
+            self._tier_names.append(name)
+            self._tier_ids[name] = tid
+        if len(self._tier_cache) < 4 * self.max_tiers:
+            self._tier_cache[ck] = tid
+        return tid
+
+    def _group(self, ev) -> int:
+        g = ev.group_idx
+        if g is None:
+            return 0
+        if g < 0 or g >= self.max_groups:
+            return -1
+        return g
+
+    def _on_store(self, w: _Worker, ev) -> str:
+        loc = ev.locality
+        if loc is not None and loc.upper() == "REMOTE":
+            return "remote_ignored"  # R-APP-11
+        tid = self._tier(ev.medium, ev.ownership)
+        if tid < 0:
+            return "tier_limit"
+        group = self._group(ev)
+        if group < 0:
+            return "bad_group"
+        hashes = ev.block_hashes
+        n = len(hashes)
+        bs = ev.block_size
+        ntok = raw_array_len(ev.token_ids)
+        if bs <= 0 or ntok == 0:
+            return self._on_placeholder(w, ev, tid, group)
+        if n == 0 or ntok != n * bs:
+            return "shape_mismatch"  # R-APP-1: SWA/Mamba stores skip null blocks
+        m = self._models[w.model]
+        tree = m.trees.get(group)
+        if tree is None:
+            tree = m.trees[group] = Tree(group, bs, self.max_nodes is not None)
+            m.kinds[group] = ev.kv_cache_spec_kind
+        elif tree.block_size != bs:
+            w.dropped["block_size_mismatch"] = w.dropped.get("block_size_mismatch", 0) + 1
+            return "block_size_mismatch"  # R-APP-7
+        elif m.kinds.get(group) is None and ev.kv_cache_spec_kind is not None:
+            m.kinds[group] = ev.kv_cache_spec_kind
+        wg = w.groups.get(group)
+        if wg is None:
+            wg = w.groups[group] = _WG()
+        ph = ev.parent_block_hash
+        if ph is None:
+            parent = tree.root
+        else:
+            parent = wg.map.get(ph)
+            if parent is None or parent.parent is DEAD:
+                return self._orphan(wg, ph, ev, tid)
+        outcome = self._insert(tree, wg, w, tid, parent, ev)
+        if wg.orphans and outcome == "applied":
+            self._adopt(tree, wg, w, hashes)
+        if tree.lru is not None and tree.nodes > self.max_nodes:
+            self._cap(m, tree)
+        return outcome
+
+    def _insert(self, tree: Tree, wg: _WG, w: _Worker, tid: int, parent: Node, ev) -> str:
+        """Attach the blocks of one rich store under ``parent`` and add residency.
+
+        Known hashes win (R-APP-2): a hash the worker already maps keeps its node,
+        and the event's tokens are only decoded and hashed when a block is new.
+        """
+        hashes = ev.block_hashes
+        wmap = wg.map
+        bit = w.bit
+        keys = None
+        new = 0
+        lru = tree.lru
+        for i, h in enumerate(hashes):
+            node = wmap.get(h)
+            if node is None or node.parent is DEAD:
+                if keys is None:
+                    keys = self._event_keys(ev, tree.block_size, len(hashes))
+                    if keys is None:
+                        self._rollback(tree, wg, w, tid, hashes, i)
+                        return "bad_tokens"
+                k = keys[i]
+                node = tree.child(parent, k)
+                if node is None:
+                    node = tree.add_child(parent, k)
+                wmap[h] = node
+            if lru is not None:
+                lru[node] = None
+                lru.move_to_end(node)
+            if tid == GPU:
+                m = node.gpu
+                if m & bit:
+                    self._dup_add(node, w.wid, tid)
+                else:
+                    node.gpu = m | bit
+                    new += 1
+            else:
+                tiers = node.tiers
+                if tiers is None:
+                    node.tiers = {tid: bit}
+                    new += 1
+                else:
+                    m = tiers.get(tid, 0)
+                    if m & bit:
+                        self._dup_add(node, w.wid, tid)
+                    else:
+                        tiers[tid] = m | bit
+                        new += 1
+            parent = node
+        if tid != GPU:
+            # R-APP-5: the blocks of one event form a chunk; mark its last block.
+            tiers = parent.tiers
+            tiers[-tid] = tiers.get(-tid, 0) | bit
+            wg.chunk[tid] = len(hashes)
+        wg.res[tid] += new
+        return "applied" if new == len(hashes) else "applied_with_duplicates"
+
+    def _rollback(self, tree, wg, w, tid, hashes, upto) -> None:
+        # Tokens that do not decode or exceed uint32 (R-BAD-3): undo the blocks of
+        # this event already attached through known hashes, so the event is all or
+        # nothing.
+        for h in hashes[:upto]:
+            node = wg.map.get(h)
+            if node is not None:
+                self._remove_one(tree, wg, w, tid, h, node)
+
+    @staticmethod
+    def _event_keys(ev, block_size: int, n: int):
+        try:
+            tokens = decode_tokens(ev.token_ids)
+            buf = tokens_to_bytes(tokens)
+        except (msgspec.DecodeError, OverflowError, TypeError, ValueError):
+            return None
+        lora = ev.lora_name
+        extra = ev.extra_keys
+        seed = KEY_SEED if (not lora and not extra) else seeds_for_blocks(n, lora, extra)
+        return block_keys(buf, block_size, seed)
+
+    @staticmethod
+    def _dup_add(node: Node, wid: int, tid: int) -> None:
+        d = node.dup
+        k = (wid << 5) | tid
+        if d is None:
+            node.dup = {k: 1}
+        else:
+            d[k] = d.get(k, 0) + 1
+
+    def _on_placeholder(self, w: _Worker, ev, tid: int, group: int) -> str:
+        """R-APP-6: residency on nodes the worker already maps by hash; never a new node."""
+        wg = w.groups.get(group)
+        if wg is None:
+            return "placeholder_ignored"
+        wmap = wg.map
+        bit = w.bit
+        hit = 0
+        new = 0
+        for h in ev.block_hashes:
+            node = wmap.get(h)
+            if node is None or node.parent is DEAD:
+                continue
+            hit += 1
+            if tid == GPU:
+                if node.gpu & bit:
+                    self._dup_add(node, w.wid, tid)
+                else:
+                    node.gpu |= bit
+                    new += 1
+            else:
+                tiers = node.tiers
+                if tiers is None:
+                    tiers = node.tiers = {}
+                m = tiers.get(tid, 0)
+                if m & bit:
+                    self._dup_add(node, w.wid, tid)
+                else:
+                    tiers[tid] = m | bit
+                    new += 1
+                # A placeholder names a chunk by its tail; its other blocks are only
+                # credited where rich stores made them resident (R-APP-5 stays exact).
+                tiers[-tid] = tiers.get(-tid, 0) | bit
+        wg.res[tid] += new
+        if hit == 0:
+            return "placeholder_ignored"
+        return "placeholder_attached" if hit == len(ev.block_hashes) else "placeholder_partial"
+
+    # ---------------------------------------------------------------- orphans
+
+    def _orphan(self, wg: _WG, parent_hash, ev, tid: int) -> str:
+        """R-APP-3: buffer a store whose parent is unknown, keyed by that parent."""
+        entry = (ev, tid)
+        lst = wg.orphans.get(parent_hash)
+        if lst is None:
+            wg.orphans[parent_hash] = [entry]
+        else:
+            lst.append(entry)
+        self._orphans += 1
+        self._orphan_queue.append((self._clock(), wg, parent_hash, entry))
+        while self._orphans > self.max_orphans:
+            self._drop_oldest_orphan("orphan_overflow")
+        return "orphaned"
+
+    def _adopt(self, tree: Tree, wg: _WG, w: _Worker, hashes) -> None:
+        """Attach buffered children of the hashes just stored, then theirs (iterative)."""
+        stack = list(hashes)
+        orphans = wg.orphans
+        while stack and orphans:
+            h = stack.pop()
+            lst = orphans.pop(h, None)
+            if not lst:
+                continue
+            parent = wg.map.get(h)
+            for ev, tid in lst:
+                self._orphans -= 1
+                if parent is None or parent.parent is DEAD:
+                    self._count("orphans_dropped_parent_gone")
+                    continue
+                outcome = self._insert(tree, wg, w, tid, parent, ev)
+                self._count("orphans_adopted" if outcome.startswith("applied") else "orphans_dropped_bad")
+                stack.extend(ev.block_hashes)
+
+    def _drop_oldest_orphan(self, reason: str) -> None:
+        _, wg, ph, entry = self._orphan_queue.popleft()
+        lst = wg.orphans.get(ph)
+        if lst is None:
+            return  # adopted or dropped with its worker already
+        for i, e in enumerate(lst):
+            if e is entry:
+                del lst[i]
+                if not lst:
+                    del wg.orphans[ph]
+                self._orphans -= 1
+                self._count(reason)
+                return
+
+    def _expire_orphans(self) -> None:
+        q = self._orphan_queue
+        limit = self._clock() - self.orphan_ttl_s
+        while q and q[0][0] < limit:
+            self._drop_oldest_orphan("orphan_expired")
+        if not self._orphans:
+            q.clear()
+
+    # --------------------------------------------------------------- removals
+
+    def _on_remove(self, w: _Worker, ev) -> str:
+        loc = ev.locality
+        if loc is not None and loc.upper() == "REMOTE":
+            return "remote_ignored"  # R-APP-11
+        tid = self._tier(ev.medium, ev.ownership)
+        if tid < 0:
+            return "tier_limit"
+        group = self._group(ev)
+        wg = w.groups.get(group) if group >= 0 else None
+        if wg is None:
+            return "unknown_hash"
+        tree = self._models[w.model].trees.get(group)
+        wmap = wg.map
+        unknown = 0
+        for h in ev.block_hashes:
+            node = wmap.get(h)
+            if node is None:
+                unknown += 1
+            elif not self._remove_one(tree, wg, w, tid, h, node):
+                unknown += 1
+        if unknown:
+            self._count("removed_unknown_blocks", unknown)
+            return "unknown_hash" if unknown == len(ev.block_hashes) else "applied_partial"
+        return "applied"
+
+    def _remove_one(self, tree: Tree, wg: _WG, w: _Worker, tid: int, h, node: Node) -> bool:
+        """Subtract one announcement of ``h`` in tier ``tid`` (R-APP-4); False if not held."""
+        if node.parent is DEAD:
+            del wg.map[h]
+            return False
+        bit = w.bit
+        if tid == GPU:
+            m = node.gpu
+            if not m & bit:
+                return False
+        else:
+            tiers = node.tiers
+            m = tiers.get(tid, 0) if tiers is not None else 0
+            if not m & bit:
+                return False
+        d = node.dup
+        if d is not None:
+            k = (w.wid << 5) | tid
+            c = d.get(k)
+            if c:
+                if c == 1:
+                    del d[k]
+                    if not d:
+                        node.dup = None
+                else:
+                    d[k] = c - 1
+                return True
+        if tid == GPU:
+            node.gpu = m ^ bit
+        else:
+            m ^= bit
+            if m:
+                tiers[tid] = m
+            else:
+                del tiers[tid]
+            e = tiers.get(-tid, 0)
+            if e & bit:
+                e ^= bit
+                if e:
+                    tiers[-tid] = e
+                else:
+                    del tiers[-tid]
+            if not tiers:
+                node.tiers = None
+        wg.res[tid] -= 1
+        if not self._holds(node, bit):
+            del wg.map[h]
+            tree.free_up(node)
+        return True
+
+    @staticmethod
+    def _holds(node: Node, bit: int) -> bool:
+        if node.gpu & bit:
+            return True
+        tiers = node.tiers
+        if tiers is not None:
+            for t, m in tiers.items():
+                if t > 0 and m & bit:
+                    return True
+        return False
+
+    def _on_clear(self, w: _Worker) -> str:
+        """R-APP-8: drop the worker's GPU and CPU residency; other tiers stay."""
+        tids = [GPU]
+        cpu = self._tier_ids.get("CPU")
+        if cpu is not None:
+            tids.append(cpu)
+        self._drop_worker_tiers(w, tids)
+        return "applied"
+
+    def _drop_worker_tiers(self, w: _Worker, tids: Iterable[int] | None) -> None:
+        """Remove every residency of ``w`` in ``tids`` (all tiers when None)."""
+        m = self._models[w.model]
+        bit = w.bit
+        wid = w.wid
+        only = None if tids is None else set(tids)
+        for group, wg in list(w.groups.items()):
+            tree = m.trees.get(group)
+            for h, node in list(wg.map.items()):
+                if node.parent is DEAD:
+                    del wg.map[h]
+                    continue
+                self._clear_node(node, bit, wid, only, wg)
+                if not self._holds(node, bit):
+                    del wg.map[h]
+                    if tree is not None:
+                        tree.free_up(node)
+            if tids is None:
+                # Orphans of a dropped worker go with it.
+                self._orphans -= sum(len(v) for v in wg.orphans.values())
+                wg.orphans.clear()
+
+    def _clear_node(self, node: Node, bit: int, wid: int, only: set | None, wg: _WG) -> None:
+        res = wg.res
+        if (only is None or GPU in only) and node.gpu & bit:
+            node.gpu ^= bit
+            res[GPU] -= 1
+        tiers = node.tiers
+        if tiers is not None:
+            for t in [t for t in tiers if t > 0 and (only is None or t in only)]:
+                m = tiers[t]
+                if m & bit:
+                    m ^= bit
+                    res[t] -= 1
+                    if m:
+                        tiers[t] = m
+                    else:
+                        del tiers[t]
+                    e = tiers.get(-t, 0)
+                    if e & bit:
+                        e ^= bit
+                        if e:
+                            tiers[-t] = e
+                        else:
+                            del tiers[-t]
+            if not tiers:
+                node.tiers = None
+        d = node.dup
+        if d is not None:
+            for k in [k for k in d if k >> 5 == wid and (only is None or (k & 31) in only)]:
+                del d[k]
+            if not d:
+                node.dup = None
+
+    def _cap(self, m: _Model, tree: Tree) -> None:
+        """R-APP-9 node cap: evict least recently stored leaves with all their residency."""
+        lru = tree.lru
+        evicted = 0
+        spins = len(lru)
+        while tree.nodes > self.max_nodes and lru and spins > 0:
+            node, _ = lru.popitem(last=False)
+            if node.kids is not None:
+                lru[node] = None  # interior: not evictable yet, keep it in the order
+                spins -= 1
+                continue
+            held = node.gpu
+            tiers = node.tiers
+            if tiers:
+                for t, mask in tiers.items():
+                    if t > 0:
+                        held |= mask
+            for w in m.workers.values():
+                if held & w.bit:
+                    wg = w.groups.get(tree.group)
+                    if wg is not None:
+                        self._clear_node(node, w.bit, w.wid, None, wg)
+            node.gpu = 0
+            node.tiers = None
+            tree.free_up(node)
+            evicted += 1
+        if evicted:
+            self._count("cap_evicted_nodes", evicted)
+
+    # -------------------------------------------------------------- lifecycle
+
+    def _worker(self, engine: str, rank: int, model: str) -> _Worker:
+        w = self._workers.get((engine, rank))
+        if w is not None:
+            if w.model == model:
+                return w
+            # The engine moved to another model pool: its old state is meaningless.
+            self._remove_worker(w)
+        if self._free_wids:
+            wid = self._free_wids.pop()
+        else:
+            wid = self._next_wid
+            self._next_wid += 1
+        w = _Worker(wid, engine, rank, model)
+        self._workers[(engine, rank)] = w
+        mo = self._models.get(model)
+        if mo is None:
+            mo = self._models[model] = _Model(model)
+        mo.workers[wid] = w
+        return w
+
+    def _remove_worker(self, w: _Worker) -> None:
+        self._drop_worker_tiers(w, None)
+        del self._workers[(w.engine, w.dp_rank)]
+        self._models[w.model].workers.pop(w.wid, None)
+        self._free_wids.append(w.wid)
+
+    def _restart(self, w: _Worker) -> None:
+        self._drop_worker_tiers(w, None)
+        w.restarts += 1
+        w.last_seq = None
+        self._count("restarts")
+
+    def drop_worker(self, engine: str, dp_rank: int = 0) -> bool:
+        """Forget one worker and all its residency. Returns False when unknown."""
+        with self._lock:
+            w = self._workers.get((engine, dp_rank))
+            if w is None:
+                return False
+            self._remove_worker(w)
+            return True
+
+    def drop_engine(self, engine: str) -> int:
+        """Forget every DP rank of ``engine``; returns how many workers went."""
+        with self._lock:
+            ws = [w for (e, _), w in self._workers.items() if e == engine]
+            for w in ws:
+                self._remove_worker(w)
+            return len(ws)
+
+    def reset_worker(self, engine: str, dp_rank: int = 0) -> bool:
+        """Drop one worker's residency but keep it known (an engine restart)."""
+        with self._lock:
+            w = self._workers.get((engine, dp_rank))
+            if w is None:
+                return False
+            self._restart(w)
+            return True
+
+    def register_worker(self, engine: str, dp_rank: int = 0, *, model: str = "default") -> None:
+        """Make a worker known before its first event (so freshness can report it)."""
+        with self._lock:
+            self._worker(engine, dp_rank, model)
+
+    def mark_stale(self, engine: str, dp_rank: int = 0, reason: str = "stale") -> None:
+        """Mark a worker stale with ``reason``; its index is kept and answers say so."""
+        with self._lock:
+            w = self._workers.get((engine, dp_rank))
+            if w is not None:
+                if not w.stale:
+                    self._count("stale_marked")
+                w.stale = True
+                w.stale_reason = reason
+
+    def clear_stale(self, engine: str, dp_rank: int = 0) -> None:
+        """Clear a worker's stale mark (after a successful recovery)."""
+        with self._lock:
+            w = self._workers.get((engine, dp_rank))
+            if w is not None and w.stale:
+                w.stale = False
+                w.stale_reason = None
+                self._count("stale_cleared")
+
+    def workers(self) -> list[dict]:
+        """Per-worker freshness and sizes, sorted by engine then rank."""
+        with self._lock:
+            now = self._clock()
+            out = []
+            for (engine, rank), w in sorted(self._workers.items()):
+                res: dict[str, int] = {}
+                for wg in w.groups.values():
+                    for tid, c in enumerate(wg.res):
+                        if c:
+                            name = self._tier_names[tid]
+                            res[name] = res.get(name, 0) + c
+                out.append({
+                    "engine": engine,
+                    "dp_rank": rank,
+                    "model": w.model,
+                    "stale": w.stale,
+                    "stale_reason": w.stale_reason,
+                    "last_seq": w.last_seq,
+                    "last_event_age_s": None if w.last_apply is None else round(now - w.last_apply, 6),
+                    "batches": w.batches,
+                    "gaps": w.gaps,
+                    "restarts": w.restarts,
+                    "dropped": dict(w.dropped),
+                    "resident_blocks": res,
+                    "orphans": sum(len(v) for wg in w.groups.values() for v in wg.orphans.values()),
+                })
+            return out
+
+    def models(self) -> list[str]:
+        with self._lock:
+            return sorted(self._models)
+
+    def block_size(self, model: str = "default") -> int | None:
+        """Block size of the model's headline group (None before its first rich store)."""
+        with self._lock:
+            m = self._models.get(model)
+            if m is None or not m.trees:
+                return None
+            return m.trees[m.default_groups()[0]].block_size
+
+    # ------------------------------------------------------------------ query
+
+    def match(
+        self,
+        token_ids: Sequence[int],
+        *,
+        model: str | None = "default",
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        extra_keys: Sequence[Any] | None = None,
+    ) -> MatchResult:
+        """Longest-prefix match of a prompt for every worker of ``model`` (R-Q-1, R-Q-2).
+
+        Keys are computed for every full block at each group's block size; a
+        trailing partial block is ignored. Read-only (R-Q-4).
+
+        Raises
+        ------
+        KeyError
+            When ``model`` is not indexed (or is None while several models are).
+        OverflowError, TypeError
+            When a token id is not an int in ``[0, 2**32-1]``.
+        """
+        buf = tokens_to_bytes(token_ids)
+        ntok = len(buf) // 4
+        with self._lock:
+            m = self._model(model)
+            cache: dict[int, list] = {}
+
+            def keys_for(bs: int) -> list:
+                ks = cache.get(bs)
+                if ks is None:
+                    n = ntok // bs
+                    if not lora_name and cache_salt is None and not extra_keys:
+                        seed: Any = KEY_SEED
+                    else:
+                        ek = query_extra_keys(n, cache_salt, extra_keys)
+                        seed = seeds_for_blocks(n, lora_name, ek)
+                    ks = cache[bs] = block_keys(buf, bs, seed)
+                return ks
+
+            return self._match(m, keys_for, ntok)
+
+    def match_by_keys(self, block_keys_: Sequence[int], *, model: str | None = "default") -> MatchResult:
+        """Like :meth:`match`, with the caller's block keys (R-Q-1, R-KEY-2).
+
+        The keys apply to every group whose block size is the headline block size.
+        """
+        keys = list(block_keys_)
+        with self._lock:
+            m = self._model(model)
+            bs = m.trees[m.default_groups()[0]].block_size if m.trees else 0
+
+            def keys_for(b: int) -> list:
+                return keys if b == bs else []
+
+            return self._match(m, keys_for, len(keys) * bs)
+
+    def _model(self, model: str | None) -> _Model:
+        if model is None:
+            if len(self._models) == 1:
+                return next(iter(self._models.values()))
+            raise KeyError("model is required when several models are indexed")
+        m = self._models.get(model)
+        if m is None:
+            raise KeyError(f"unknown model {model!r}")
+        return m
+
+    def _match(self, m: _Model, keys_for, ntok: int) -> MatchResult:
+        workers = m.workers
+        if not m.trees:
+            return MatchResult(m.name, None, 0, [], None)
+        defaults = m.default_groups()
+        head_bs = m.trees[defaults[0]].block_size
+        # per group: {wid: (tier_blocks: dict[tid, int], total, contributions)}
+        per_group: dict[int, dict] = {}
+        for g, tree in m.trees.items():
+            path = tree.walk(keys_for(tree.block_size))
+            if path:
+                per_group[g] = self._match_path(m, path)
+        head: dict[int, list] = {}
+        for g in defaults:
+            got = per_group.get(g)
+            if not got:
+                head = {}
+                break
+            if not head:
+                head = {wid: [r, g] for wid, r in got.items()}
+                continue
+            bs_g = m.trees[g].block_size
+            nxt = {}
+            for wid, (r, g0) in head.items():
+                r2 = got.get(wid)
+                if r2 is None:
+                    continue
+                # Headline = minimum over default groups, compared in tokens.
+                if r2[1] * bs_g < r[1] * m.trees[g0].block_size:
+                    nxt[wid] = [r2, g]
+                else:
+                    nxt[wid] = [r, g0]
+            head = nxt
+        names = self._tier_names
+        credits = [self.credits.get(n, 0.0) for n in names]
+        stale_factor = self.stale_factor
+        now = self._clock()
+        out = []
+        for wid in set().union(*per_group.values()) if per_group else ():
+            w = workers.get(wid)
+            if w is None:
+                continue
+            groups = {}
+            for g, got in per_group.items():
+                r = got.get(wid)
+                if r is not None:
+                    gd = {names[t]: b for t, b in r[0].items() if b}
+                    gd["total_blocks"] = r[1]
+                    groups[str(g)] = gd
+            h = head.get(wid)
+            if h is not None:
+                (tiers_b, total, contrib), hg = h
+                hbs = m.trees[hg].block_size
+                scale = hbs / head_bs
+                tiers = {names[t]: int(b * scale) for t, b in tiers_b.items() if b}
+                total_tokens = total * hbs
+                total_blocks = total_tokens // head_bs
+                score = sum(c * credits[t] for t, c in contrib) * scale
+            else:
+                tiers, total_tokens, total_blocks, score = {}, 0, 0, 0.0
+            if w.stale:
+                score *= stale_factor
+            out.append(
+                WorkerMatch(
+                    w.engine, w.dp_rank, tiers, groups, total_blocks, total_tokens,
+                    round(score, 6), w.stale, w.stale_reason, w.last_seq,
+                    None if w.last_apply is None else round(now - w.last_apply, 6),
+                )
+            )
+        out = [x for x in out if x.groups]
+        out.sort(key=_rank_key)
+        best = out[0] if out and out[0].total_blocks > 0 else None
+        return MatchResult(m.name, head_bs, ntok // head_bs if head_bs else 0, out, best)
+
+    def _match_path(self, m: _Model, path: list) -> dict:
+        """Per worker on one group's path: (blocks per tier, total, [(tier, blocks)])."""
+        n = len(path)
+        gpu: dict[int, int] = {}
+        active = path[0].gpu
+        d = 1
+        while active and d < n:
+            nm = active & path[d].gpu
+            if nm != active:
+                x = active ^ nm
+                while x:
+                    low = x & -x
+                    gpu[low.bit_length() - 1] = d
+                    x ^= low
+                active = nm
+            d += 1
+        while active:
+            low = active & -active
+            gpu[low.bit_length() - 1] = n
+            active ^= low
+        other = self._other_tiers(m, path) if any(nd.tiers is not None for nd in path) else {}
+        out: dict[int, tuple] = {}
+        chain = [self._tier_ids.get(t) for t in self.total_chain]
+        wids = set(gpu)
+        for per_w in other.values():
+            wids.update(per_w)
+        for wid in wids:
+            g = gpu.get(wid, 0)
+            tiers = {GPU: g}
+            contrib = [(GPU, g)] if g else []
+            pos = g
+            for t, per_w in other.items():
+                chunks = per_w.get(wid)
+                if chunks:
+                    alone = 0
+                    for s, e in chunks:
+                        if s == alone + 1:
+                            alone = e
+                    tiers[t] = alone
+            for t in chain:
+                if t is None or t == GPU:
+                    continue
+                chunks = other.get(t, {}).get(wid)
+                if not chunks:
+                    continue
+                start = pos
+                for s, e in chunks:
+                    if s <= pos + 1 and e > pos:
+                        pos = e
+                if pos > start:
+                    contrib.append((t, pos - start))
+            if pos or any(tiers.values()):
+                out[wid] = (tiers, pos, contrib)
+        return out
+
+    def _other_tiers(self, m: _Model, path: list) -> dict:
+        """Fully covered chunks per non-GPU tier and worker: {tid: {wid: [(start, end)]}}.
+
+        A chunk ends at a block marked as a chunk end for the worker (R-APP-5); it
+        starts ``blocks_per_chunk`` blocks earlier (learned per worker and tier), and
+        counts only when the worker holds every one of its blocks in that tier.
+        """
+        out: dict[int, dict] = {}
+        runs: dict[tuple, int] = {}  # (tid, wid) -> start depth of the current unbroken run
+        lasts: dict[tuple, int] = {}
+        for d, node in enumerate(path, 1):
+            tiers = node.tiers
+            if tiers is None:
+                continue
+            for t, mask in tiers.items():
+                if t <= 0:
+                    continue
+                ends = tiers.get(-t, 0)
+                x = mask
+                while x:
+                    low = x & -x
+                    x ^= low
+                    wid = low.bit_length() - 1
+                    k = (t, wid)
+                    if lasts.get(k) != d - 1:
+                        runs[k] = d
+                    lasts[k] = d
+                    if ends & low:
+                        n = self._chunk_len(m, wid, t)
+                        if d - n + 1 >= runs[k]:
+                            out.setdefault(t, {}).setdefault(wid, []).append((d - n + 1, d))
+        return out
+
+    @staticmethod
+    def _chunk_len(m: _Model, wid: int, tid: int) -> int:
+        w = m.workers.get(wid)
+        if w is None:
+            return 1
+        best = 1
+        for wg in w.groups.values():
+            c = wg.chunk.get(tid, 1)
+            if c > best:
+                best = c
+        return best
+
+    # ------------------------------------------------------------------ stats
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self._counters[name] = self._counters.get(name, 0) + n
+
+    def _drop(self, engine: str, model: str, dp_rank: int | None, reason: str) -> None:
+        self._dropped[reason] = self._dropped.get(reason, 0) + 1
+        w = self._workers.get((engine, dp_rank or 0))
+        if w is not None:
+            w.dropped[reason] = w.dropped.get(reason, 0) + 1
+
+    def count_dropped(self, engine: str, dp_rank: int | None, reason: str) -> None:
+        """Count a message the transport dropped before decoding (R-DEC-3)."""
+        with self._lock:
+            self._drop(engine, "", dp_rank, reason)
+
+    def stats(self) -> dict:
+        """Sizes and counters, JSON-able; reads counters only (no tree walk)."""
+        with self._lock:
+            names = self._tier_names
+            models = {}
+            tot_nodes = tot_entries = tot_orphans = 0
+            for name, m in sorted(self._models.items()):
+                groups = {}
+                m_entries = m_orphans = 0
+                for g, tree in sorted(m.trees.items()):
+                    groups[str(g)] = {
+                        "kind": m.kinds.get(g),
+                        "block_size": tree.block_size,
+                        "default": m.kinds.get(g) in DEFAULT_GROUP_KINDS,
+                        "nodes": tree.nodes,
+                        "tiers": {},
+                    }
+                for w in m.workers.values():
+                    for g, wg in w.groups.items():
+                        gd = groups.setdefault(
+                            str(g), {"kind": None, "block_size": None, "default": True, "nodes": 0, "tiers": {}}
+                        )
+                        o = sum(len(v) for v in wg.orphans.values())
+                        m_orphans += o
+                        for tid, c in enumerate(wg.res):
+                            if c:
+                                gd["tiers"][names[tid]] = gd["tiers"].get(names[tid], 0) + c
+                                m_entries += c
+                nodes = sum(t.nodes for t in m.trees.values())
+                tiers: dict[str, int] = {}
+                for gd in groups.values():
+                    for t, c in gd["tiers"].items():
+                        tiers[t] = tiers.get(t, 0) + c
+                models[name] = {
+                    "nodes": nodes,
+                    "resident_entries": m_entries,
+                    "orphans": m_orphans,
+                    "workers": len(m.workers),
+                    "tiers": tiers,
+                    "groups": groups,
+                }
+                tot_nodes += nodes
+                tot_entries += m_entries
+                tot_orphans += m_orphans
+            events: dict[str, dict[str, int]] = {}
+            for (typ, outcome), c in sorted(self._events.items()):
+                events.setdefault(typ, {})[outcome] = c
+            return {
+                "nodes": tot_nodes,
+                "resident_entries": tot_entries,
+                "orphans": tot_orphans,
+                "workers": len(self._workers),
+                "stale_workers": sum(1 for w in self._workers.values() if w.stale),
+                "models": models,
+                "events": events,
+                "dropped_payloads": dict(sorted(self._dropped.items())),
+                "counters": dict(sorted(self._counters.items())),
+                "tiers": list(names),
+            }
+
+
+def _rank_key(x: WorkerMatch):
+    return (-x.score, -x.total_blocks, x.engine, x.dp_rank)
