@@ -78,17 +78,29 @@ class _Worker:
 
 
 class _Model:
-    __slots__ = ("name", "trees", "kinds", "workers")
+    __slots__ = ("name", "trees", "kinds", "workers", "_defaults", "tiered")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.trees: dict[int, Tree] = {}
         self.kinds: dict[int, str | None] = {}
         self.workers: dict[int, _Worker] = {}
+        self._defaults: list[int] | None = None
+        # Set once any non-GPU residency was stored: GPU-only fleets skip the
+        # per-tier chunk scan on every query.
+        self.tiered = False
+
+    def set_kind(self, group: int, kind: str | None) -> None:
+        self.kinds[group] = kind
+        self._defaults = None
 
     def default_groups(self) -> list[int]:
-        gs = [g for g in self.trees if self.kinds.get(g) in DEFAULT_GROUP_KINDS]
-        return sorted(gs) if gs else sorted(self.trees)
+        """R-APP-10 default groups (all groups when none qualifies); cached."""
+        d = self._defaults
+        if d is None:
+            gs = [g for g in self.trees if self.kinds.get(g) in DEFAULT_GROUP_KINDS]
+            d = self._defaults = sorted(gs) if gs else sorted(self.trees)
+        return d
 
 
 _EVENT_NAMES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
@@ -139,7 +151,7 @@ class PrefixIndex:
         self.max_groups = int(max_groups)
         self.max_tiers = min(int(max_tiers), MAX_TIERS)
         self._clock = clock
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._models: dict[str, _Model] = {}
         self._workers: dict[tuple[str, int], _Worker] = {}
         self._free_wids: list[int] = []
@@ -153,6 +165,7 @@ class PrefixIndex:
         self._counters: dict[str, int] = {}
         self._events: dict[tuple[str, str], int] = {}
         self._dropped: dict[str, int] = {}
+        self._credits_cache: list[float] = []
 
     # ------------------------------------------------------------------ apply
 
@@ -279,12 +292,12 @@ class PrefixIndex:
         tree = m.trees.get(group)
         if tree is None:
             tree = m.trees[group] = Tree(group, bs, self.max_nodes is not None)
-            m.kinds[group] = ev.kv_cache_spec_kind
+            m.set_kind(group, ev.kv_cache_spec_kind)
         elif tree.block_size != bs:
             w.dropped["block_size_mismatch"] = w.dropped.get("block_size_mismatch", 0) + 1
             return "block_size_mismatch"  # R-APP-7
         elif m.kinds.get(group) is None and ev.kv_cache_spec_kind is not None:
-            m.kinds[group] = ev.kv_cache_spec_kind
+            m.set_kind(group, ev.kv_cache_spec_kind)
         wg = w.groups.get(group)
         if wg is None:
             wg = w.groups[group] = _WG()
@@ -295,8 +308,10 @@ class PrefixIndex:
             parent = wg.map.get(ph)
             if parent is None or parent.parent is DEAD:
                 return self._orphan(wg, ph, ev, tid)
+        if tid != GPU:
+            m.tiered = True
         outcome = self._insert(tree, wg, w, tid, parent, ev)
-        if wg.orphans and outcome == "applied":
+        if wg.orphans and outcome.startswith("applied"):
             self._adopt(tree, wg, w, hashes)
         if tree.lru is not None and tree.nodes > self.max_nodes:
             self._cap(m, tree)
@@ -314,18 +329,69 @@ class PrefixIndex:
         keys = None
         new = 0
         lru = tree.lru
+        get = wmap.get
+        created = 0
+        if tid == GPU and lru is None and get(hashes[0]) is None:
+            # The hot path: a GPU store that starts with a new block. Same steps as
+            # the general loop below, minus its per-block branches.
+            keys = self._event_keys(ev, tree.block_size, len(hashes))
+            if keys is None:
+                return "bad_tokens"
+            for h, k in zip(hashes, keys):
+                node = get(h)
+                if node is None or node.parent is DEAD:
+                    kids = parent.kids
+                    if kids is None:
+                        node = parent.kids = Node(k, parent)
+                        created += 1
+                    elif kids.__class__ is dict:
+                        node = kids.get(k)
+                        if node is None:
+                            node = kids[k] = Node(k, parent)
+                            created += 1
+                    elif kids.key == k:
+                        node = kids
+                    else:
+                        node = Node(k, parent)
+                        parent.kids = {kids.key: kids, k: node}
+                        created += 1
+                    wmap[h] = node
+                m = node.gpu
+                if m & bit:
+                    self._dup_add(node, w.wid, GPU)
+                else:
+                    node.gpu = m | bit
+                    new += 1
+                parent = node
+            tree.nodes += created
+            wg.res[GPU] += new
+            return "applied" if new == len(hashes) else "applied_with_duplicates"
         for i, h in enumerate(hashes):
-            node = wmap.get(h)
+            node = get(h)
             if node is None or node.parent is DEAD:
                 if keys is None:
                     keys = self._event_keys(ev, tree.block_size, len(hashes))
                     if keys is None:
+                        tree.nodes += created
                         self._rollback(tree, wg, w, tid, hashes, i)
                         return "bad_tokens"
                 k = keys[i]
-                node = tree.child(parent, k)
-                if node is None:
-                    node = tree.add_child(parent, k)
+                # Tree.child / Tree.add_child, inlined: this loop runs once per block.
+                kids = parent.kids
+                if kids is None:
+                    node = parent.kids = Node(k, parent)
+                    created += 1
+                elif kids.__class__ is dict:
+                    node = kids.get(k)
+                    if node is None:
+                        node = kids[k] = Node(k, parent)
+                        created += 1
+                elif kids.key == k:
+                    node = kids
+                else:
+                    node = Node(k, parent)
+                    parent.kids = {kids.key: kids, k: node}
+                    created += 1
                 wmap[h] = node
             if lru is not None:
                 lru[node] = None
@@ -350,6 +416,7 @@ class PrefixIndex:
                         tiers[tid] = m | bit
                         new += 1
             parent = node
+        tree.nodes += created
         if tid != GPU:
             # R-APP-5: the blocks of one event form a chunk; mark its last block.
             tiers = parent.tiers
@@ -393,6 +460,8 @@ class PrefixIndex:
         wg = w.groups.get(group)
         if wg is None:
             return "placeholder_ignored"
+        if tid != GPU:
+            self._models[w.model].tiered = True
         wmap = wg.map
         bit = w.bit
         hit = 0
@@ -857,81 +926,100 @@ class PrefixIndex:
         return m
 
     def _match(self, m: _Model, keys_for, ntok: int) -> MatchResult:
-        workers = m.workers
-        if not m.trees:
+        trees = m.trees
+        if not trees:
             return MatchResult(m.name, None, 0, [], None)
         defaults = m.default_groups()
-        head_bs = m.trees[defaults[0]].block_size
-        # per group: {wid: (tier_blocks: dict[tid, int], total, contributions)}
+        head_bs = trees[defaults[0]].block_size
+        # group -> {wid: (((tier name, blocks), ...), total blocks, weighted blocks)}
         per_group: dict[int, dict] = {}
-        for g, tree in m.trees.items():
+        for g, tree in trees.items():
             path = tree.walk(keys_for(tree.block_size))
             if path:
                 per_group[g] = self._match_path(m, path)
-        head: dict[int, list] = {}
-        for g in defaults:
-            got = per_group.get(g)
-            if not got:
-                head = {}
-                break
-            if not head:
-                head = {wid: [r, g] for wid, r in got.items()}
-                continue
-            bs_g = m.trees[g].block_size
-            nxt = {}
-            for wid, (r, g0) in head.items():
-                r2 = got.get(wid)
-                if r2 is None:
-                    continue
-                # Headline = minimum over default groups, compared in tokens.
-                if r2[1] * bs_g < r[1] * m.trees[g0].block_size:
-                    nxt[wid] = [r2, g]
-                else:
-                    nxt[wid] = [r, g0]
-            head = nxt
-        names = self._tier_names
-        credits = [self.credits.get(n, 0.0) for n in names]
+        qblocks = ntok // head_bs
+        if not per_group:
+            return MatchResult(m.name, head_bs, qblocks, [], None)
+        workers = m.workers
         stale_factor = self.stale_factor
         now = self._clock()
         out = []
-        for wid in set().union(*per_group.values()) if per_group else ():
+        append = out.append
+        new_match = _new_worker_match
+        if len(per_group) == 1 and len(defaults) == 1 and defaults[0] in per_group:
+            # The common shape: one attention group. Headline = that group.
+            (g, got), = per_group.items()
+            gname = str(g)
+            for wid, r in got.items():
+                w = workers.get(wid)
+                if w is None:
+                    continue
+                tier_items, total, weighted = r
+                la = w.last_apply
+                append(new_match((
+                    w.engine, w.dp_rank, tier_items, ((gname, tier_items, total),), total,
+                    total * head_bs, float(weighted * stale_factor if w.stale else weighted),
+                    w.stale, w.stale_reason, w.last_seq, None if la is None else now - la,
+                )))
+            out.sort(key=_rank_key)
+            best = out[0] if out and out[0].total_blocks > 0 else None
+            return MatchResult(m.name, head_bs, qblocks, out, best)
+        head, head_scale = self._headline(m, defaults, per_group, head_bs)
+        for wid in set().union(*per_group.values()):
             w = workers.get(wid)
             if w is None:
                 continue
-            groups = {}
-            for g, got in per_group.items():
-                r = got.get(wid)
-                if r is not None:
-                    gd = {names[t]: b for t, b in r[0].items() if b}
-                    gd["total_blocks"] = r[1]
-                    groups[str(g)] = gd
+            group_items = tuple(
+                (str(g), r[0], r[1]) for g, got in per_group.items() if (r := got.get(wid)) is not None
+            )
             h = head.get(wid)
             if h is not None:
-                (tiers_b, total, contrib), hg = h
-                hbs = m.trees[hg].block_size
-                scale = hbs / head_bs
-                tiers = {names[t]: int(b * scale) for t, b in tiers_b.items() if b}
-                total_tokens = total * hbs
-                total_blocks = total_tokens // head_bs
-                score = sum(c * credits[t] for t, c in contrib) * scale
+                tier_items, total, weighted = h
+                scale = head_scale[wid]
+                if scale != 1:
+                    tier_items = tuple((t, int(b * scale)) for t, b in tier_items)
+                    weighted *= scale
+                total_blocks = int(total * scale)
+                score = weighted * stale_factor if w.stale else weighted
             else:
-                tiers, total_tokens, total_blocks, score = {}, 0, 0, 0.0
-            if w.stale:
-                score *= stale_factor
-            out.append(
-                WorkerMatch(
-                    w.engine, w.dp_rank, tiers, groups, total_blocks, total_tokens,
-                    round(score, 6), w.stale, w.stale_reason, w.last_seq,
-                    None if w.last_apply is None else round(now - w.last_apply, 6),
-                )
-            )
-        out = [x for x in out if x.groups]
+                tier_items, total_blocks, score = (), 0, 0.0
+            la = w.last_apply
+            append(new_match((
+                w.engine, w.dp_rank, tier_items, group_items, total_blocks,
+                total_blocks * head_bs, float(score), w.stale, w.stale_reason, w.last_seq,
+                None if la is None else now - la,
+            )))
         out.sort(key=_rank_key)
         best = out[0] if out and out[0].total_blocks > 0 else None
-        return MatchResult(m.name, head_bs, ntok // head_bs if head_bs else 0, out, best)
+        return MatchResult(m.name, head_bs, qblocks, out, best)
+
+    def _headline(self, m: _Model, defaults: list, per_group: dict, head_bs: int):
+        """R-APP-10: per worker, the default group with the shortest total (in tokens)."""
+        head: dict = {}
+        scale: dict = {}
+        first = True
+        for g in defaults:
+            got = per_group.get(g)
+            if not got:
+                return {}, {}
+            sc = m.trees[g].block_size / head_bs
+            if first:
+                head = dict(got)
+                scale = {wid: sc for wid in got}
+                first = False
+                continue
+            for wid in list(head):
+                r2 = got.get(wid)
+                if r2 is None:
+                    del head[wid]
+                    del scale[wid]
+                elif r2[1] * sc < head[wid][1] * scale[wid]:
+                    head[wid] = r2
+                    scale[wid] = sc
+        return head, scale
 
     def _match_path(self, m: _Model, path: list) -> dict:
-        """Per worker on one group's path: (blocks per tier, total, [(tier, blocks)])."""
+        """Per worker on one group's path: (((tier, blocks), ...), total, weighted blocks)."""
         n = len(path)
         gpu: dict[int, int] = {}
         active = path[0].gpu
@@ -950,7 +1038,12 @@ class PrefixIndex:
             low = active & -active
             gpu[low.bit_length() - 1] = n
             active ^= low
-        other = self._other_tiers(m, path) if any(nd.tiers is not None for nd in path) else {}
+        names = self._tier_names
+        credits = self._credit_by_tid()
+        cg = credits[GPU]
+        if not m.tiered or all(nd.tiers is None for nd in path):
+            return {wid: ((("GPU", g),), g, g * cg) for wid, g in gpu.items()}
+        other = self._other_tiers(m, path)
         out: dict[int, tuple] = {}
         chain = [self._tier_ids.get(t) for t in self.total_chain]
         wids = set(gpu)
@@ -958,9 +1051,7 @@ class PrefixIndex:
             wids.update(per_w)
         for wid in wids:
             g = gpu.get(wid, 0)
-            tiers = {GPU: g}
-            contrib = [(GPU, g)] if g else []
-            pos = g
+            items = [("GPU", g)]
             for t, per_w in other.items():
                 chunks = per_w.get(wid)
                 if chunks:
@@ -968,22 +1059,29 @@ class PrefixIndex:
                     for s, e in chunks:
                         if s == alone + 1:
                             alone = e
-                    tiers[t] = alone
+                    items.append((names[t], alone))
+            pos = g
+            weighted = g * cg
             for t in chain:
                 if t is None or t == GPU:
                     continue
-                chunks = other.get(t, {}).get(wid)
+                chunks = other.get(t, _EMPTY).get(wid)
                 if not chunks:
                     continue
                 start = pos
                 for s, e in chunks:
                     if s <= pos + 1 and e > pos:
                         pos = e
-                if pos > start:
-                    contrib.append((t, pos - start))
-            if pos or any(tiers.values()):
-                out[wid] = (tiers, pos, contrib)
+                weighted += (pos - start) * credits[t]
+            if pos or any(b for _, b in items):
+                out[wid] = (tuple(items), pos, weighted)
         return out
+
+    def _credit_by_tid(self) -> list:
+        c = self._credits_cache
+        if len(c) != len(self._tier_names):
+            c = self._credits_cache = [self.credits.get(n, 0.0) for n in self._tier_names]
+        return c
 
     def _other_tiers(self, m: _Model, path: list) -> dict:
         """Fully covered chunks per non-GPU tier and worker: {tid: {wid: [(start, end)]}}.
@@ -1109,3 +1207,11 @@ class PrefixIndex:
 
 def _rank_key(x: WorkerMatch):
     return (-x.score, -x.total_blocks, x.engine, x.dp_rank)
+
+
+_EMPTY: dict = {}
+
+
+def _new_worker_match(fields: tuple) -> WorkerMatch:
+    # tuple.__new__ skips NamedTuple's Python-level __new__: one call per worker per query.
+    return tuple.__new__(WorkerMatch, fields)

@@ -21,6 +21,7 @@ seed is exactly 1337, so plain keys equal Dynamo's.
 
 from __future__ import annotations
 
+import struct
 import sys
 from array import array
 from typing import Any, Iterable, Sequence
@@ -46,6 +47,9 @@ _TYPECODE = "I" if array("I").itemsize == 4 else "L"
 _SWAP = sys.byteorder != "little"
 
 
+_structs: dict[int, struct.Struct] = {}
+
+
 def tokens_to_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian uint32 bytes.
 
@@ -56,6 +60,18 @@ def tokens_to_bytes(token_ids: Sequence[int]) -> bytes:
     TypeError
         When a token id is not an int.
     """
+    n = len(token_ids)
+    st = _structs.get(n)
+    if st is None and n <= 65536:
+        # A precompiled '<nI' packs ~20% faster than array(); cache a bounded set.
+        if len(_structs) >= 256:
+            _structs.clear()
+        st = _structs[n] = struct.Struct(f"<{n}I")
+    if st is not None:
+        try:
+            return st.pack(*token_ids)
+        except struct.error:
+            pass  # out of range or not ints: array() below raises the precise error
     a = array(_TYPECODE, token_ids)
     if _SWAP:
         a.byteswap()
@@ -130,10 +146,10 @@ def block_keys(
         n = limit
     if n <= 0:
         return []
-    mv = memoryview(buf)
     if isinstance(seed, int):
-        return [_xxh3(mv[i : i + step], seed) for i in range(0, n * step, step)]
-    return [_xxh3(mv[j * step : (j + 1) * step], seed[j]) for j in range(n)]
+        # Slicing bytes (a 64-byte copy) beats a memoryview slice object here.
+        return [_xxh3(buf[i : i + step], seed) for i in range(0, n * step, step)]
+    return [_xxh3(buf[j * step : (j + 1) * step], seed[j]) for j in range(n)]
 
 
 def query_extra_keys(

@@ -1,23 +1,26 @@
-"""Match results: the value types a query returns (frozen, JSON-shaped by ``to_dict``)."""
+"""Match results: the value types a query returns (immutable; JSON-shaped by ``to_dict``)."""
 
 from __future__ import annotations
 
-from msgspec import Struct
+from typing import NamedTuple
 
 __all__ = ["MatchResult", "WorkerMatch"]
 
 
-class WorkerMatch(Struct, frozen=True, gc=False):
+class WorkerMatch(NamedTuple):
     """One worker's answer (R-Q-2): blocks per tier and group, ``total``, score, freshness.
 
     ``tiers`` and ``total_blocks`` are the headline figures: the minimum over the
     model's default groups (R-APP-10), in blocks of the headline block size.
+    ``groups`` maps the group index (as a string) to that group's blocks per tier
+    and ``total_blocks``. Both dicts are built on access from compact tuples, so a
+    router that only reads ``best`` never pays for them.
     """
 
     engine: str
     dp_rank: int
-    tiers: dict
-    groups: dict
+    tier_items: tuple  # ((tier name, blocks), ...)
+    group_items: tuple  # ((group name, ((tier name, blocks), ...), total_blocks), ...)
     total_blocks: int
     total_tokens: int
     score: float
@@ -26,12 +29,25 @@ class WorkerMatch(Struct, frozen=True, gc=False):
     last_seq: int | None
     last_event_age_s: float | None
 
+    @property
+    def tiers(self) -> dict:
+        return {name: b for name, b in self.tier_items if b}
+
+    @property
+    def groups(self) -> dict:
+        out = {}
+        for name, tiers, total in self.group_items:
+            d = {t: b for t, b in tiers if b}
+            d["total_blocks"] = total
+            out[name] = d
+        return out
+
     def to_dict(self) -> dict:
         return {
             "engine": self.engine,
             "dp_rank": self.dp_rank,
-            "tiers": dict(self.tiers),
-            "groups": {g: dict(v) for g, v in self.groups.items()},
+            "tiers": self.tiers,
+            "groups": self.groups,
             "total_blocks": self.total_blocks,
             "total_tokens": self.total_tokens,
             "score": self.score,
@@ -42,7 +58,7 @@ class WorkerMatch(Struct, frozen=True, gc=False):
         }
 
 
-class MatchResult(Struct, frozen=True, gc=False):
+class MatchResult(NamedTuple):
     """The answer to one query: every matching worker, best first, and the best one."""
 
     model: str

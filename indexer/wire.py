@@ -94,11 +94,10 @@ class _LenientMapCleared(_MapCleared, tag="AllBlocksCleared", forbid_unknown_fie
 
 
 # Positional layout (vLLM <= 0.23): the tag is element 0, then the fields in
-# declaration order. Older producers send fewer trailing fields (defaults apply);
-# msgspec ignores extra trailing elements, which the slow path counts.
+# declaration order. Older producers send fewer trailing fields (defaults apply).
 
 
-class _ArrStored(Struct, tag="BlockStored", array_like=True, gc=False):
+class _ArrStored(Struct, tag="BlockStored", array_like=True, forbid_unknown_fields=True, gc=False):
     kind: ClassVar[int] = STORED
     block_hashes: list[Hash]
     parent_block_hash: Hash | None = None
@@ -117,7 +116,7 @@ class _ArrStored(Struct, tag="BlockStored", array_like=True, gc=False):
     ownership: ClassVar[None] = None
 
 
-class _ArrRemoved(Struct, tag="BlockRemoved", array_like=True, gc=False):
+class _ArrRemoved(Struct, tag="BlockRemoved", array_like=True, forbid_unknown_fields=True, gc=False):
     kind: ClassVar[int] = REMOVED
     block_hashes: list[Hash]
     medium: str | None = None
@@ -126,8 +125,23 @@ class _ArrRemoved(Struct, tag="BlockRemoved", array_like=True, gc=False):
     ownership: ClassVar[None] = None
 
 
-class _ArrCleared(Struct, tag="AllBlocksCleared", array_like=True, gc=False):
+class _ArrCleared(Struct, tag="AllBlocksCleared", array_like=True, forbid_unknown_fields=True, gc=False):
     kind: ClassVar[int] = CLEARED
+
+
+# With forbid_unknown_fields an array_like struct rejects extra trailing elements,
+# so the fast path fails over to the slow one, which counts them and decodes with
+# these lenient twins.
+class _LenientArrStored(_ArrStored, tag="BlockStored", forbid_unknown_fields=False):
+    pass
+
+
+class _LenientArrRemoved(_ArrRemoved, tag="BlockRemoved", forbid_unknown_fields=False):
+    pass
+
+
+class _LenientArrCleared(_ArrCleared, tag="AllBlocksCleared", forbid_unknown_fields=False):
+    pass
 
 
 _ARR_FIELDS = {
@@ -167,7 +181,7 @@ _map_batch = msgspec.msgpack.Decoder(_MapBatch)
 _arr_batch = msgspec.msgpack.Decoder(_ArrBatch)
 _raw_batch = msgspec.msgpack.Decoder(_RawBatch)
 _map_event = msgspec.msgpack.Decoder(Union[_LenientMapStored, _LenientMapRemoved, _LenientMapCleared])
-_arr_event = msgspec.msgpack.Decoder(ArrEvent)
+_arr_event = msgspec.msgpack.Decoder(Union[_LenientArrStored, _LenientArrRemoved, _LenientArrCleared])
 _any = msgspec.msgpack.Decoder()
 _tokens = msgspec.msgpack.Decoder(list[int])
 
