@@ -167,6 +167,26 @@ class PrefixIndex:
         self._dropped: dict[str, int] = {}
         self._credits_cache: list[float] = []
 
+    def close(self) -> None:
+        """Free the whole index now (nodes are outside the cycle collector)."""
+        with self._lock:
+            for m in self._models.values():
+                for tree in m.trees.values():
+                    tree.clear()
+                m.trees.clear()
+            self._models.clear()
+            self._workers.clear()
+            self._orphan_queue.clear()
+            self._orphans = 0
+
+    def __del__(self) -> None:
+        try:
+            for m in self._models.values():
+                for tree in m.trees.values():
+                    tree.clear()
+        except Exception:  # interpreter shutdown: nothing left to free
+            pass
+
     # ------------------------------------------------------------------ apply
 
     def apply(
@@ -218,13 +238,14 @@ class PrefixIndex:
                 w.last_seq = seq
             for k, v in batch.issues.items():
                 self._events[("unknown", k)] = self._events.get(("unknown", k), 0) + v
+            if self._orphans:
+                # Expire first: an orphan past its age bound is not adopted by this batch.
+                self._expire_orphans()
             self._apply_events(w, batch.events)
             w.last_ts = batch.ts
             w.last_apply = self._clock()
             w.batches += 1
             self._count("batches_applied")
-            if self._orphans:
-                self._expire_orphans()
             return "applied"
 
     def _apply_events(self, w: _Worker, events) -> None:
@@ -313,7 +334,7 @@ class PrefixIndex:
         outcome = self._insert(tree, wg, w, tid, parent, ev)
         if wg.orphans and outcome.startswith("applied"):
             self._adopt(tree, wg, w, hashes)
-        if tree.lru is not None and tree.nodes > self.max_nodes:
+        if tree.stamps is not None and tree.nodes > self.max_nodes:
             self._cap(m, tree)
         return outcome
 
@@ -328,10 +349,10 @@ class PrefixIndex:
         bit = w.bit
         keys = None
         new = 0
-        lru = tree.lru
+        capped = tree.stamps is not None
         get = wmap.get
         created = 0
-        if tid == GPU and lru is None and get(hashes[0]) is None:
+        if tid == GPU and not capped and get(hashes[0]) is None:
             # The hot path: a GPU store that starts with a new block. Same steps as
             # the general loop below, minus its per-block branches.
             keys = self._event_keys(ev, tree.block_size, len(hashes))
@@ -342,19 +363,24 @@ class PrefixIndex:
                 if node is None or node.parent is DEAD:
                     kids = parent.kids
                     if kids is None:
-                        node = parent.kids = Node(k, parent)
+                        # A new leaf: born holding the worker's bit.
+                        parent.kids = wmap[h] = parent = Node(k, parent, None, bit)
                         created += 1
-                    elif kids.__class__ is dict:
+                        continue
+                    if kids.__class__ is dict:
                         node = kids.get(k)
                         if node is None:
-                            node = kids[k] = Node(k, parent)
+                            kids[k] = wmap[h] = parent = Node(k, parent, None, bit)
                             created += 1
+                            continue
                     elif kids.key == k:
                         node = kids
                     else:
-                        node = Node(k, parent)
+                        node = Node(k, parent, None, bit)
                         parent.kids = {kids.key: kids, k: node}
+                        wmap[h] = parent = node
                         created += 1
+                        continue
                     wmap[h] = node
                 m = node.gpu
                 if m & bit:
@@ -364,6 +390,7 @@ class PrefixIndex:
                     new += 1
                 parent = node
             tree.nodes += created
+            new += created
             wg.res[GPU] += new
             return "applied" if new == len(hashes) else "applied_with_duplicates"
         for i, h in enumerate(hashes):
@@ -393,9 +420,8 @@ class PrefixIndex:
                     parent.kids = {kids.key: kids, k: node}
                     created += 1
                 wmap[h] = node
-            if lru is not None:
-                lru[node] = None
-                lru.move_to_end(node)
+            if capped:
+                tree.touch(node)
             if tid == GPU:
                 m = node.gpu
                 if m & bit:
@@ -705,15 +731,11 @@ class PrefixIndex:
 
     def _cap(self, m: _Model, tree: Tree) -> None:
         """R-APP-9 node cap: evict least recently stored leaves with all their residency."""
-        lru = tree.lru
         evicted = 0
-        spins = len(lru)
-        while tree.nodes > self.max_nodes and lru and spins > 0:
-            node, _ = lru.popitem(last=False)
-            if node.kids is not None:
-                lru[node] = None  # interior: not evictable yet, keep it in the order
-                spins -= 1
-                continue
+        while tree.nodes > self.max_nodes:
+            node = tree.oldest_leaf()
+            if node is None:
+                break
             held = node.gpu
             tiers = node.tiers
             if tiers:
@@ -964,7 +986,7 @@ class PrefixIndex:
             out.sort(key=_rank_key)
             best = out[0] if out and out[0].total_blocks > 0 else None
             return MatchResult(m.name, head_bs, qblocks, out, best)
-        head, head_scale = self._headline(m, defaults, per_group, head_bs)
+        head = self._headline(m, defaults, per_group, head_bs)
         for wid in set().union(*per_group.values()):
             w = workers.get(wid)
             if w is None:
@@ -974,13 +996,9 @@ class PrefixIndex:
             )
             h = head.get(wid)
             if h is not None:
-                tier_items, total, weighted = h
-                scale = head_scale[wid]
-                if scale != 1:
-                    tier_items = tuple((t, int(b * scale)) for t, b in tier_items)
-                    weighted *= scale
-                total_blocks = int(total * scale)
-                score = weighted * stale_factor if w.stale else weighted
+                tier_items, total_blocks, score = h
+                if w.stale:
+                    score *= stale_factor
             else:
                 tier_items, total_blocks, score = (), 0, 0.0
             la = w.last_apply
@@ -993,30 +1011,35 @@ class PrefixIndex:
         best = out[0] if out and out[0].total_blocks > 0 else None
         return MatchResult(m.name, head_bs, qblocks, out, best)
 
-    def _headline(self, m: _Model, defaults: list, per_group: dict, head_bs: int):
-        """R-APP-10: per worker, the default group with the shortest total (in tokens)."""
+    def _headline(self, m: _Model, defaults: list, per_group: dict, head_bs: int) -> dict:
+        """R-APP-10 headline per worker: each figure is its minimum over the default groups.
+
+        Figures are compared in tokens and given in blocks of the headline size:
+        {wid: (((tier, blocks), ...), total blocks, weighted blocks)}.
+        """
         head: dict = {}
-        scale: dict = {}
-        first = True
-        for g in defaults:
+        for i, g in enumerate(defaults):
             got = per_group.get(g)
             if not got:
-                return {}, {}
+                return {}
             sc = m.trees[g].block_size / head_bs
-            if first:
-                head = dict(got)
-                scale = {wid: sc for wid in got}
-                first = False
+            if i == 0:
+                for wid, (items, total, weighted) in got.items():
+                    head[wid] = ({t: b * sc for t, b in items}, total * sc, weighted * sc)
                 continue
             for wid in list(head):
-                r2 = got.get(wid)
-                if r2 is None:
+                r = got.get(wid)
+                if r is None:
                     del head[wid]
-                    del scale[wid]
-                elif r2[1] * sc < head[wid][1] * scale[wid]:
-                    head[wid] = r2
-                    scale[wid] = sc
-        return head, scale
+                    continue
+                tiers, total, weighted = head[wid]
+                mine = {t: b * sc for t, b in r[0]}
+                tiers = {t: min(b, mine.get(t, 0)) for t, b in tiers.items()}
+                head[wid] = (tiers, min(total, r[1] * sc), min(weighted, r[2] * sc))
+        return {
+            wid: (tuple((t, int(b)) for t, b in tiers.items()), int(total), weighted)
+            for wid, (tiers, total, weighted) in head.items()
+        }
 
     def _match_path(self, m: _Model, path: list) -> dict:
         """Per worker on one group's path: (((tier, blocks), ...), total, weighted blocks)."""

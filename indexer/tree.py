@@ -21,7 +21,7 @@ most nodes of a prefix tree have exactly one child, and a one-entry dict costs
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import heapq
 from typing import Any
 
 from msgspec import Struct
@@ -32,10 +32,16 @@ __all__ = ["Node", "Tree", "DEAD", "MAX_TIERS"]
 MAX_TIERS = 32
 
 
-class Node(Struct, eq=False):
-    """One block. A msgspec Struct: its C-level constructor is ~2.5x faster than a
-    ``__slots__`` class with ``__init__``, at the same 80 bytes; ``eq=False`` keeps
-    identity equality and hashing."""
+class Node(Struct, eq=False, gc=False):
+    """One block.
+
+    A msgspec Struct: its C-level constructor is ~2.5x faster than a ``__slots__``
+    class with ``__init__``; ``eq=False`` keeps identity equality and hashing.
+    ``gc=False`` leaves nodes out of the cycle collector: 16 bytes less per node
+    and no collector passes over millions of nodes while an index grows (~15%
+    of apply time). The parent <-> child cycles are broken by hand instead: when a
+    node is freed (:meth:`Tree.free_up`) and when a tree goes (:meth:`Tree.clear`).
+    """
 
     key: Any
     parent: Any
@@ -53,16 +59,64 @@ DEAD = Node(None, None)
 class Tree:
     """One prefix tree: a root, a node count and, with a node cap, store order."""
 
-    __slots__ = ("group", "block_size", "root", "nodes", "lru")
+    __slots__ = ("group", "block_size", "root", "nodes", "stamps", "leaves", "clock")
 
     def __init__(self, group: int, block_size: int, capped: bool) -> None:
         self.group = group
         self.block_size = block_size
         self.root = Node(None, None)
         self.nodes = 0
-        # Store order of nodes, only kept when a node cap is configured
-        # (an OrderedDict gives O(1) move-to-end and pop-oldest).
-        self.lru: OrderedDict | None = OrderedDict() if capped else None
+        # Only with a node cap: when each node was last stored, and a heap of
+        # (stamp, id, node) over nodes that were leaves when pushed. Entries go
+        # stale (the node got a child, was stored again or freed) and are skipped
+        # when popped; a node that becomes a leaf again is pushed again.
+        self.stamps: dict | None = {} if capped else None
+        self.leaves: list = []
+        self.clock = 0
+
+    def touch(self, node: Node) -> None:
+        """Record that ``node`` was just stored (capped trees only)."""
+        self.clock += 1
+        self.stamps[node] = self.clock
+        if node.kids is None:
+            heapq.heappush(self.leaves, (self.clock, id(node), node))
+        if len(self.leaves) > 4 * len(self.stamps) + 64:
+            self._rebuild_leaves()
+
+    def _rebuild_leaves(self) -> None:
+        stamps = self.stamps
+        self.leaves = [(st, id(n), n) for n, st in stamps.items() if n.kids is None]
+        heapq.heapify(self.leaves)
+
+    def oldest_leaf(self) -> Node | None:
+        """Pop the least recently stored leaf (capped trees only); None when there is none."""
+        leaves = self.leaves
+        stamps = self.stamps
+        while leaves:
+            st, _, node = heapq.heappop(leaves)
+            if node.kids is None and node.parent is not DEAD and stamps.get(node) == st:
+                return node
+        return None
+
+    def clear(self) -> None:
+        """Unlink every node (iteratively) so reference counting frees them all."""
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            kids = node.kids
+            if kids is not None:
+                if kids.__class__ is dict:
+                    stack.extend(kids.values())
+                else:
+                    stack.append(kids)
+            node.kids = None
+            node.parent = None
+            node.tiers = None
+            node.dup = None
+        self.nodes = 0
+        if self.stamps is not None:
+            self.stamps.clear()
+            self.leaves.clear()
 
     def child(self, parent: Node, key):
         """The child of ``parent`` keyed ``key``, or None (read-only)."""
@@ -92,7 +146,7 @@ class Tree:
         Iterative: a chain can be thousands of blocks deep.
         """
         root = self.root
-        lru = self.lru
+        stamps = self.stamps
         while node is not root and node.kids is None and not node.gpu and node.tiers is None:
             parent = node.parent
             if parent is DEAD or parent is None:
@@ -108,9 +162,13 @@ class Tree:
             node.parent = DEAD
             node.dup = None
             self.nodes -= 1
-            if lru is not None:
-                lru.pop(node, None)
+            if stamps is not None:
+                stamps.pop(node, None)
             node = parent
+        if stamps is not None and node.kids is None and node is not root:
+            st = stamps.get(node)
+            if st is not None:  # a held node that just became a leaf
+                heapq.heappush(self.leaves, (st, id(node), node))
 
     def walk(self, keys) -> list:
         """Nodes along ``keys`` from the root, as deep as the tree goes (read-only)."""

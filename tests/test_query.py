@@ -1,0 +1,429 @@
+"""Contract section 6 (R-Q-1 .. R-Q-5): what a query takes and answers.
+
+Payloads are built with :func:`indexer.testing.encode_batch` over both wire
+layouts ("0.33" maps, "0.23" arrays) or taken from the golden vLLM payloads.
+Engine hashes are a chained 64-bit value per token prefix (see test_apply.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+import xxhash
+
+import golden
+from indexer import PrefixIndex
+from indexer.keys import block_keys
+from indexer.testing import Removed, Stored, encode_batch
+
+WIRE = ["0.33", "0.23"]
+FA = "full_attention"
+ENGINE = "e1"
+
+
+# ----------------------------------------------------------------- helpers
+
+
+class FakeClock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def toks(base: int, nblocks: int, bs: int) -> list[int]:
+    return list(range(base, base + nblocks * bs))
+
+
+def ehashes(tokens, bs: int, ns: str = "") -> list[int]:
+    """Engine hashes: a chained 64-bit value per full-block prefix."""
+    return [
+        xxhash.xxh64_intdigest(repr((ns, tuple(tokens[: (i + 1) * bs]))).encode())
+        for i in range(len(tokens) // bs)
+    ]
+
+
+def store(tokens, bs, a, b, *, medium="GPU", group=0, kind=FA, ns="", hashes=None, **kw) -> Stored:
+    hs = ehashes(tokens, bs, ns) if hashes is None else hashes
+    return Stored(
+        block_hashes=hs[a:b],
+        parent_block_hash=hs[a - 1] if a else None,
+        token_ids=list(tokens[a * bs : b * bs]),
+        block_size=bs,
+        medium=medium,
+        group_idx=group,
+        kv_cache_spec_kind=kind,
+        **kw,
+    )
+
+
+def chunks(tokens, bs, per, *, medium="CPU", first=0, **kw) -> list[Stored]:
+    n = len(tokens) // bs
+    return [store(tokens, bs, a, a + per, medium=medium, **kw) for a in range(first, n - n % per, per)]
+
+
+def gpu_evictions(hashes, *, group=0) -> list[Removed]:
+    return [Removed(block_hashes=[h], medium="GPU", group_idx=group) for h in hashes]
+
+
+def apply(idx, events, ver="0.33", engine=ENGINE, dp_rank=0, ts=1767225600.0, **kw):
+    return idx.apply(engine, encode_batch(events, version=ver, dp_rank=dp_rank, ts=ts), **kw)
+
+
+def wm(idx, tokens, engine=ENGINE, rank=0, **kw):
+    return idx.match(tokens, **kw).worker(engine, rank)
+
+
+def issue_example(ver="0.33", **kw) -> tuple[PrefixIndex, list[int]]:
+    """The issue's example: GPU holds 40 blocks, CPU chunks (8 blocks each) hold 64."""
+    kw.setdefault("clock", FakeClock())  # fixed clock: answers compare equal
+    idx = PrefixIndex(**kw)
+    t = toks(10, 64, 16)
+    apply(idx, [store(t, 16, 0, 40)] + chunks(t, 16, 8), ver)
+    return idx, t
+
+
+# ------------------------------------------------------------------ R-Q-1
+
+
+@pytest.mark.parametrize("ver", WIRE)
+def test_R_Q_1_trailing_partial_block_ignored(ver):
+    idx = PrefixIndex()
+    t = toks(1, 4, 16)
+    apply(idx, [store(t, 16, 0, 4)], ver)
+    r = idx.match(t + [5, 6, 7])
+    assert r.query_blocks == 4 and r.block_size == 16
+    assert r.worker(ENGINE, 0).tiers == {"GPU": 4}
+    r = idx.match(t[:63])
+    assert r.query_blocks == 3
+    assert r.worker(ENGINE, 0).tiers == {"GPU": 3}
+    r = idx.match(t[:15])
+    assert r.query_blocks == 0 and r.workers == [] and r.best is None
+
+
+@pytest.mark.parametrize("ver", WIRE)
+def test_R_Q_1_match_by_keys_equals_match(ver):
+    idx, t = issue_example(ver)
+    for q in (t, t[:100], t[:40 * 16 + 3], t[:16 * 20] + [7] * 64):
+        keys = block_keys(q, 16)
+        assert idx.match_by_keys(keys).to_dict() == idx.match(q).to_dict()
+    assert idx.match_by_keys([]).workers == []
+
+
+@pytest.mark.parametrize("ver", WIRE)
+def test_R_Q_1_model_optional_with_one_model_required_with_two(ver):
+    idx = PrefixIndex()
+    t = toks(1, 2, 16)
+    apply(idx, [store(t, 16, 0, 2)], ver, model="llama")
+    assert idx.match(t, model=None).worker(ENGINE, 0).tiers == {"GPU": 2}
+    assert idx.match(t, model=None).model == "llama"
+    assert idx.match_by_keys(block_keys(t, 16), model=None).worker(ENGINE, 0).tiers == {"GPU": 2}
+    with pytest.raises(KeyError):
+        idx.match(t, model="nope")
+    with pytest.raises(KeyError):
+        idx.match(t)  # "default" is not indexed
+    with pytest.raises(KeyError):
+        idx.match_by_keys(block_keys(t, 16), model="nope")
+    apply(idx, [store(t, 16, 0, 1)], ver, engine="e2", model="qwen")
+    with pytest.raises(KeyError):
+        idx.match(t, model=None)
+    with pytest.raises(KeyError):
+        idx.match_by_keys(block_keys(t, 16), model=None)
+    assert idx.match(t, model="qwen").worker("e2", 0).tiers == {"GPU": 1}
+    assert idx.match(t, model="qwen").worker(ENGINE, 0) is None
+    assert idx.match(t, model="llama").worker(ENGINE, 0).tiers == {"GPU": 2}
+
+
+@pytest.mark.parametrize("ver", WIRE)
+def test_R_Q_1_lora_and_extra_keys_namespace(ver):
+    idx = PrefixIndex()
+    t = toks(1, 3, 16)
+    plain = toks(1, 3, 16)
+    hs = ehashes(t, 16, ns="lora")
+    apply(idx, [store(t, 16, 0, 3, hashes=hs, lora_name="ad",
+                      extra_keys=[("ad", "salt"), ("ad",), ("ad", ("img", 0))])], ver)
+    apply(idx, [store(plain, 16, 0, 3)], ver, engine="e2")
+    r = idx.match(t, lora_name="ad", cache_salt="salt", extra_keys=[None, None, [("img", 0)]])
+    assert r.worker(ENGINE, 0).tiers == {"GPU": 3}
+    assert r.worker("e2", 0) is None
+    # Without the mm key on block 2: blocks 0-1 only.
+    r = idx.match(t, lora_name="ad", cache_salt="salt")
+    assert r.worker(ENGINE, 0).tiers == {"GPU": 2}
+    # Without the salt (block 0): nothing for e1; the plain query finds e2 only.
+    assert idx.match(t, lora_name="ad").worker(ENGINE, 0) is None
+    r = idx.match(t)
+    assert r.worker(ENGINE, 0) is None and r.worker("e2", 0).tiers == {"GPU": 3}
+
+
+@pytest.mark.parametrize("vdir", sorted(golden.VERSIONS))
+def test_R_Q_1_golden_lora_and_salt_query(vdir):
+    idx = PrefixIndex()
+    idx.apply(ENGINE, golden.payload(vdir, "lora_and_salt"))
+    t = list(range(20000, 20048))
+    w = idx.match(t, lora_name="adapter-a", cache_salt="tenant-a").worker(ENGINE, 0)
+    assert w.tiers == {"GPU": 3, "CPU": 3}
+    assert idx.match(t, cache_salt="tenant-a").workers == []
+
+
+def test_R_Q_1_bad_token_ids_raise():
+    idx, t = issue_example()
+    with pytest.raises((OverflowError, ValueError)):
+        idx.match([1, 2, -1] + t)
+    with pytest.raises((OverflowError, ValueError)):
+        idx.match([2**32] + t)
+    with pytest.raises(TypeError):
+        idx.match(["a"] + t)
+
+
+# ------------------------------------------------------------------ R-Q-2
+
+
+@pytest.mark.parametrize("ver", WIRE)
+def test_R_Q_2_issue_example_gpu_40_cpu_to_64(ver):
+    idx, t = issue_example(ver)
+    r = idx.match(t)
+    w = r.worker(ENGINE, 0)
+    assert w.tiers == {"GPU": 40, "CPU": 64}
+    assert w.total_blocks == 64
+    assert w.total_tokens == 1024
+    assert w.score == pytest.approx(58.0)
+    assert w.groups == {"0": {"GPU": 40, "CPU": 64, "total_blocks": 64}}
+    d = r.to_dict()
+    assert d["model"] == "default" and d["block_size"] == 16 and d["query_blocks"] == 64
+    assert d["best"] == {"engine": ENGINE, "dp_rank": 0, "score": pytest.approx(58.0)}
+    wd = d["workers"][0]
+    assert set(wd) == {"engine", "dp_rank", "tiers", "groups", "total_blocks", "total_tokens",
+                       "score", "stale", "stale_reason", "last_seq", "last_event_age_s"}
+    assert wd["tiers"] == {"GPU": 40, "CPU": 64} and wd["total_tokens"] == 1024
+
+
+@pytest.mark.parametrize("ver", WIRE)
+def test_R_Q_2_total_chain_gpu_cpu_storage(ver):
+    idx = PrefixIndex()
+    t = toks(1, 8, 4)
+    apply(idx, [store(t, 4, 0, 2)] + chunks(t, 4, 2)[:2] + chunks(t, 4, 2, medium="STORAGE")[:3], ver)
+    w = wm(idx, t)
+    assert w.tiers == {"GPU": 2, "CPU": 4, "STORAGE": 6}
+    assert w.total_blocks == 6 and w.total_tokens == 24
+    assert w.score == pytest.approx(2 + 2 * 0.75 + 2 * 0.25)
+
+
+@pytest.mark.parametrize("ver", WIRE)
+def test_R_Q_2_cpu_chunk_not_continuing_gpu_prefix_does_not_count(ver):
+    """GPU holds blocks 0-1; CPU holds only the chunk of blocks 4-5: the engine loads 2."""
+    idx = PrefixIndex()
+    t = toks(1, 6, 4)
+    hs = ehashes(t, 4)
+    apply(idx, [store(t, 4, 0, 6), store(t, 4, 4, 6, medium="CPU")], ver)
+    apply(idx, gpu_evictions(hs[2:6]), ver)
+    w = wm(idx, t)
+    assert w.tiers == {"GPU": 2}  # the CPU alone holds no prefix from block 0
+    assert w.total_blocks == 2
+    assert w.score == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("ver", WIRE)
+def test_R_Q_2_freshness_fields(ver):
+    clock = FakeClock()
+    idx = PrefixIndex(clock=clock)
+    t = toks(1, 2, 4)
+    apply(idx, [store(t, 4, 0, 2)], ver, seq=0)
+    apply(idx, [], ver, seq=1)
+    apply(idx, [], ver, seq=2)
+    w = wm(idx, t)
+    assert w.last_seq == 2
+    assert w.last_event_age_s == pytest.approx(0.0)
+    assert w.stale is False and w.stale_reason is None
+    clock.t += 7.5
+    w = wm(idx, t)
+    assert w.last_event_age_s == pytest.approx(7.5)
+    idx.mark_stale(ENGINE, 0, "replay_timeout")
+    w = wm(idx, t)
+    assert w.stale is True and w.stale_reason == "replay_timeout"
+    assert idx.match(t).to_dict()["workers"][0]["stale_reason"] == "replay_timeout"
+    assert idx.stats()["stale_workers"] == 1
+    idx.clear_stale(ENGINE, 0)
+    w = wm(idx, t)
+    assert w.stale is False and w.stale_reason is None
+    apply(idx, [], ver, seq=3)
+    w = wm(idx, t)
+    assert w.last_seq == 3 and w.last_event_age_s == pytest.approx(0.0)
+
+
+def test_R_Q_2_only_matching_workers_listed():
+    idx = PrefixIndex()
+    t = toks(1, 2, 4)
+    apply(idx, [store(t, 4, 0, 2)])
+    apply(idx, [store(toks(900, 2, 4), 4, 0, 2)], engine="e2")
+    idx.register_worker("e3", 0)
+    r = idx.match(t)
+    assert [(w.engine, w.dp_rank) for w in r.workers] == [(ENGINE, 0)]
+
+
+# ------------------------------------------------------------------ R-Q-3
+
+
+@pytest.mark.parametrize("ver", WIRE)
+def test_R_Q_3_credits_configurable(ver):
+    idx, t = issue_example(ver, credits={"GPU": 1.0, "CPU": 0.5, "STORAGE": 0.0})
+    assert wm(idx, t).score == pytest.approx(40 + 24 * 0.5)
+    idx, t = issue_example(ver, credits={"GPU": 2.0})  # a tier without a credit scores 0
+    w = wm(idx, t)
+    assert w.score == pytest.approx(80.0) and w.total_blocks == 64
+
+
+@pytest.mark.parametrize("ver", WIRE)
+def test_R_Q_3_stale_discount(ver):
+    idx, t = issue_example(ver, stale_factor=0.25)
+    idx.mark_stale(ENGINE, 0, "gap")
+    assert wm(idx, t).score == pytest.approx(58.0 * 0.25)
+    idx.clear_stale(ENGINE, 0)
+    assert wm(idx, t).score == pytest.approx(58.0)
+    # Default factor 0.5: a stale worker ranks below a fresh one with a lower raw score.
+    idx = PrefixIndex()
+    t = toks(1, 4, 4)
+    apply(idx, [store(t, 4, 0, 4)], engine="a")
+    apply(idx, [store(t, 4, 0, 3)], engine="b")
+    idx.mark_stale("a", 0, "gap")
+    r = idx.match(t)
+    assert [w.engine for w in r.workers] == ["b", "a"]
+    assert r.worker("a", 0).score == pytest.approx(2.0)
+    assert r.best.engine == "b"
+
+
+@pytest.mark.parametrize("ver", WIRE)
+def test_R_Q_3_ties_broken_by_engine_then_rank(ver):
+    idx = PrefixIndex()
+    t = toks(1, 3, 4)
+    for engine in ("zeta", "alpha", "mid"):
+        for rank in (2, 0, 1):
+            apply(idx, [store(t, 4, 0, 3)], ver, engine=engine, dp_rank=rank)
+    r = idx.match(t)
+    order = [(w.engine, w.dp_rank) for w in r.workers]
+    assert order == [(e, k) for e in ("alpha", "mid", "zeta") for k in (0, 1, 2)]
+    assert (r.best.engine, r.best.dp_rank) == ("alpha", 0)
+    assert r.to_dict()["best"] == {"engine": "alpha", "dp_rank": 0, "score": pytest.approx(3.0)}
+
+
+@pytest.mark.parametrize("vdir", sorted(golden.VERSIONS))
+def test_R_Q_3_golden_dp_rank_tie(vdir):
+    idx = PrefixIndex()
+    idx.apply("e", golden.payload(vdir, "dp_rank_1"))  # the batch says rank 1
+    t = list(range(40000, 40032))
+    hs = [9114870688517213765, 13981731434992632520]
+    apply(idx, [store(t, 16, 0, 2, hashes=hs)], golden.VERSIONS[vdir], engine="e", dp_rank=0)
+    r = idx.match(t)
+    assert [(w.engine, w.dp_rank) for w in r.workers] == [("e", 0), ("e", 1)]
+    assert r.worker("e", 1).tiers == {"GPU": 2}
+    assert (r.best.engine, r.best.dp_rank) == ("e", 0)
+
+
+def test_R_Q_3_best_is_none_when_nothing_matches():
+    idx, t = issue_example()
+    r = idx.match(toks(999_000, 4, 16))
+    assert r.best is None and r.workers == []
+    assert r.to_dict()["best"] is None and r.to_dict()["workers"] == []
+    assert idx.match([]).best is None
+
+
+def test_R_Q_3_workers_sorted_best_first():
+    idx = PrefixIndex()
+    t = toks(1, 4, 4)
+    apply(idx, chunks(t, 4, 2), engine="a")  # CPU 4: 3.0
+    apply(idx, [store(t, 4, 0, 4)], engine="z")  # GPU 4: 4.0
+    apply(idx, [store(t, 4, 0, 1)], engine="m")  # GPU 1: 1.0
+    apply(idx, [store(t, 4, 0, 2)] + chunks(t, 4, 2), engine="b")  # GPU 2 + CPU 2: 3.5
+    r = idx.match(t)
+    assert [w.engine for w in r.workers] == ["z", "b", "a", "m"]
+    scores = [w.score for w in r.workers]
+    assert scores == sorted(scores, reverse=True)
+    assert scores == pytest.approx([4.0, 3.5, 3.0, 1.0])
+    assert r.best.engine == "z"
+
+
+# ------------------------------------------------------------------ R-Q-4
+
+
+@pytest.mark.parametrize("ver", WIRE)
+def test_R_Q_4_match_is_read_only(ver):
+    clock = FakeClock()
+    idx = PrefixIndex(clock=clock, max_nodes=1000)
+    t = toks(10, 64, 16)
+    apply(idx, [store(t, 16, 0, 40)] + chunks(t, 16, 8), ver, seq=0)
+    apply(idx, [store(t, 16, 40, 48, hashes=ehashes(t, 16, ns="x"))], ver, seq=1)  # an orphan
+    apply(idx, [store(t, 16, 0, 4)], ver, engine="e2", seq=0)
+    stats_before = idx.stats()
+    workers_before = idx.workers()
+    first = idx.match(t).to_dict()
+    for q in (t, t[:100], toks(5, 9, 16), t[:16 * 20] + [7] * 64, []):
+        idx.match(q)
+        idx.match(q, lora_name="x", cache_salt="s")
+        idx.match_by_keys(block_keys(q, 16))
+    assert idx.stats() == stats_before
+    assert idx.workers() == workers_before
+    assert idx.match(t).to_dict() == first
+
+
+# ------------------------------------------------------------------ R-Q-5
+
+
+def test_R_Q_5_no_half_applied_batch_visible():
+    """Each batch stores (or removes) a chain as two events: blocks 0-1, then blocks
+    2-3 under block 1. A concurrent query sees 0 or 4 blocks, never 2."""
+    idx = PrefixIndex()
+    prompts = [toks(10_000 * (i + 1), 4, 4) for i in range(4)]
+    store_batches = [encode_batch([store(p, 4, 0, 2), store(p, 4, 2, 4)]) for p in prompts]
+    remove_batches = [
+        encode_batch([Removed(block_hashes=ehashes(p, 4)[2:4][::-1], medium="GPU"),
+                      Removed(block_hashes=ehashes(p, 4)[0:2][::-1], medium="GPU")])
+        for p in prompts
+    ]
+    rounds = 1500
+    stop = threading.Event()
+    seen: list = []
+    errors: list = []
+
+    def writer():
+        try:
+            for _ in range(rounds):
+                for i in range(len(prompts)):
+                    idx.apply(ENGINE, store_batches[i])
+                for i in range(len(prompts)):
+                    idx.apply(ENGINE, remove_batches[i])
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+        finally:
+            stop.set()
+
+    def reader():
+        try:
+            while not stop.is_set():
+                for p in prompts:
+                    w = idx.match(p).worker(ENGINE, 0)
+                    seen.append(0 if w is None else w.total_blocks)
+                    n = idx.stats()["nodes"]
+                    seen.append(("nodes", n))
+        except Exception as e:  # pragma: no cover
+            errors.append(e)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader) for _ in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=20)
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors
+    blocks = [x for x in seen if not isinstance(x, tuple)]
+    nodes = [x[1] for x in seen if isinstance(x, tuple)]
+    assert blocks, "the reader never ran"
+    assert set(blocks) <= {0, 4}
+    assert all(n % 4 == 0 for n in nodes)
+    assert 4 in blocks or 0 in blocks
+    assert idx.stats()["nodes"] == 0
