@@ -18,63 +18,7 @@ from indexer import PrefixIndex
 from indexer.keys import block_keys
 from indexer.testing import Removed, Stored, encode_batch
 
-WIRE = ["0.33", "0.23"]
-FA = "full_attention"
-ENGINE = "e1"
-
-
-# ----------------------------------------------------------------- helpers
-
-
-class FakeClock:
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def toks(base: int, nblocks: int, bs: int) -> list[int]:
-    return list(range(base, base + nblocks * bs))
-
-
-def ehashes(tokens, bs: int, ns: str = "") -> list[int]:
-    """Engine hashes: a chained 64-bit value per full-block prefix."""
-    return [
-        xxhash.xxh64_intdigest(repr((ns, tuple(tokens[: (i + 1) * bs]))).encode())
-        for i in range(len(tokens) // bs)
-    ]
-
-
-def store(tokens, bs, a, b, *, medium="GPU", group=0, kind=FA, ns="", hashes=None, **kw) -> Stored:
-    hs = ehashes(tokens, bs, ns) if hashes is None else hashes
-    return Stored(
-        block_hashes=hs[a:b],
-        parent_block_hash=hs[a - 1] if a else None,
-        token_ids=list(tokens[a * bs : b * bs]),
-        block_size=bs,
-        medium=medium,
-        group_idx=group,
-        kv_cache_spec_kind=kind,
-        **kw,
-    )
-
-
-def chunks(tokens, bs, per, *, medium="CPU", first=0, **kw) -> list[Stored]:
-    n = len(tokens) // bs
-    return [store(tokens, bs, a, a + per, medium=medium, **kw) for a in range(first, n - n % per, per)]
-
-
-def gpu_evictions(hashes, *, group=0) -> list[Removed]:
-    return [Removed(block_hashes=[h], medium="GPU", group_idx=group) for h in hashes]
-
-
-def apply(idx, events, ver="0.33", engine=ENGINE, dp_rank=0, ts=1767225600.0, **kw):
-    return idx.apply(engine, encode_batch(events, version=ver, dp_rank=dp_rank, ts=ts), **kw)
-
-
-def wm(idx, tokens, engine=ENGINE, rank=0, **kw):
-    return idx.match(tokens, **kw).worker(engine, rank)
+from evkit import ENGINE, FA, WIRE, FakeClock, apply, chunks, ehashes, gpu_evictions, store, toks, wm
 
 
 def issue_example(ver="0.33", **kw) -> tuple[PrefixIndex, list[int]]:
