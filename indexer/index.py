@@ -956,9 +956,9 @@ class PrefixIndex:
         # group -> {wid: (((tier name, blocks), ...), total blocks, weighted blocks)}
         per_group: dict[int, dict] = {}
         for g, tree in trees.items():
-            path = tree.walk(keys_for(tree.block_size))
-            if path:
-                per_group[g] = self._match_path(m, path)
+            got = self._match_path(m, tree, keys_for(tree.block_size))
+            if got:
+                per_group[g] = got
         qblocks = ntok // head_bs
         if not per_group:
             return MatchResult(m.name, head_bs, qblocks, [], None)
@@ -1041,31 +1041,66 @@ class PrefixIndex:
             for wid, (tiers, total, weighted) in head.items()
         }
 
-    def _match_path(self, m: _Model, path: list) -> dict:
-        """Per worker on one group's path: (((tier, blocks), ...), total, weighted blocks)."""
-        n = len(path)
+    def _match_path(self, m: _Model, tree: Tree, keys) -> dict | None:
+        """Walk one group's tree along ``keys`` and answer per worker (read-only).
+
+        Returns ``{wid: (((tier, blocks), ...), total, weighted blocks)}``, or None
+        when nothing matched. The GPU prefix of every worker is computed during the
+        walk, as bit masks: ``active`` holds the workers whose GPU run is unbroken.
+        """
         gpu: dict[int, int] = {}
-        active = path[0].gpu
-        d = 1
-        while active and d < n:
-            nm = active & path[d].gpu
+        keep = m.tiered  # only tiered models need the path for the chunk scan
+        path = [] if keep else None
+        node = tree.root
+        active = -1  # every worker, until the first node narrows it
+        d = 0
+        for k in keys:
+            kids = node.kids
+            if kids is None:
+                break
+            if kids.__class__ is dict:
+                node = kids.get(k)
+                if node is None:
+                    break
+            elif kids.key == k:
+                node = kids
+            else:
+                break
+            if keep:
+                path.append(node)
+            elif not active:
+                break
+            nm = active & node.gpu
             if nm != active:
-                x = active ^ nm
-                while x:
-                    low = x & -x
-                    gpu[low.bit_length() - 1] = d
-                    x ^= low
+                if d:
+                    x = active ^ nm
+                    while x:
+                        low = x & -x
+                        gpu[low.bit_length() - 1] = d
+                        x ^= low
                 active = nm
             d += 1
-        while active:
+        if d == 0:
+            return None
+        while active > 0:
             low = active & -active
-            gpu[low.bit_length() - 1] = n
+            gpu[low.bit_length() - 1] = d
             active ^= low
-        names = self._tier_names
         credits = self._credit_by_tid()
         cg = credits[GPU]
-        if not m.tiered or all(nd.tiers is None for nd in path):
-            return {wid: ((("GPU", g),), g, g * cg) for wid, g in gpu.items()}
+        if not keep or all(nd.tiers is None for nd in path):
+            if not gpu:
+                return None
+            # Workers that share a depth share one answer tuple.
+            shared: dict[int, tuple] = {}
+            out = {}
+            for wid, g in gpu.items():
+                r = shared.get(g)
+                if r is None:
+                    r = shared[g] = ((("GPU", g),), g, g * cg)
+                out[wid] = r
+            return out
+        names = self._tier_names
         other = self._other_tiers(m, path)
         out: dict[int, tuple] = {}
         chain = [self._tier_ids.get(t) for t in self.total_chain]
