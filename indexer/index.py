@@ -44,13 +44,15 @@ _now = time.monotonic
 class _WG:
     """One worker's state in one KV-cache group."""
 
-    __slots__ = ("map", "orphans", "res", "chunk")
+    __slots__ = ("map", "orphans", "res", "ends")
 
     def __init__(self) -> None:
         self.map: dict = {}  # engine hash -> Node (R-APP-2 / R-APP-3 resolution)
         self.orphans: dict = {}  # missing parent hash -> [pending store, ...]
         self.res = [0] * MAX_TIERS  # resident entries per tier id
-        self.chunk: dict = {}  # tier id -> blocks per chunk, learned from rich stores
+        # tier id -> {chunk-end node: blocks in that chunk} (R-APP-5: the blocks
+        # of one event form a chunk, whatever size each event has)
+        self.ends: dict[int, dict] = {}
 
 
 class _Worker:
@@ -152,6 +154,10 @@ class PrefixIndex:
         self.max_tiers = min(int(max_tiers), MAX_TIERS)
         self._clock = clock
         self._lock = threading.Lock()
+        # Queries about to take the lock: a writer thread yields the GIL after a
+        # batch when this is non-zero, so a query waits for one batch, not for the
+        # interpreter's 5 ms switch interval (a hint; exactness is not needed).
+        self.readers_waiting = 0
         self._models: dict[str, _Model] = {}
         self._workers: dict[tuple[str, int], _Worker] = {}
         self._free_wids: list[int] = []
@@ -329,8 +335,6 @@ class PrefixIndex:
             parent = wg.map.get(ph)
             if parent is None or parent.parent is DEAD:
                 return self._orphan(wg, ph, ev, tid)
-        if tid != GPU:
-            m.tiered = True
         outcome = self._insert(tree, wg, w, tid, parent, ev)
         if wg.orphans and outcome.startswith("applied"):
             self._adopt(tree, wg, w, hashes)
@@ -447,7 +451,11 @@ class PrefixIndex:
             # R-APP-5: the blocks of one event form a chunk; mark its last block.
             tiers = parent.tiers
             tiers[-tid] = tiers.get(-tid, 0) | bit
-            wg.chunk[tid] = len(hashes)
+            ends = wg.ends.get(tid)
+            if ends is None:
+                ends = wg.ends[tid] = {}
+            ends[parent] = len(hashes)
+            self._models[w.model].tiered = True
         wg.res[tid] += new
         return "applied" if new == len(hashes) else "applied_with_duplicates"
 
@@ -513,9 +521,15 @@ class PrefixIndex:
                 else:
                     tiers[tid] = m | bit
                     new += 1
-                # A placeholder names a chunk by its tail; its other blocks are only
-                # credited where rich stores made them resident (R-APP-5 stays exact).
-                tiers[-tid] = tiers.get(-tid, 0) | bit
+                # A placeholder names a chunk by its tail only. Taken as a chunk of
+                # one block it is credited only where the engine would load it too
+                # (the GPU prefix reaches the block before it): never over-credit.
+                if not tiers.get(-tid, 0) & bit:
+                    tiers[-tid] = tiers.get(-tid, 0) | bit
+                    ends = wg.ends.get(tid)
+                    if ends is None:
+                        ends = wg.ends[tid] = {}
+                    ends[node] = 1
         wg.res[tid] += new
         if hit == 0:
             return "placeholder_ignored"
@@ -647,6 +661,7 @@ class PrefixIndex:
                     tiers[-tid] = e
                 else:
                     del tiers[-tid]
+                wg.ends[tid].pop(node, None)
             if not tiers:
                 node.tiers = None
         wg.res[tid] -= 1
@@ -720,6 +735,7 @@ class PrefixIndex:
                             tiers[-t] = e
                         else:
                             del tiers[-t]
+                        wg.ends[t].pop(node, None)
             if not tiers:
                 node.tiers = None
         d = node.dup
@@ -904,7 +920,9 @@ class PrefixIndex:
         """
         buf = tokens_to_bytes(token_ids)
         ntok = len(buf) // 4
+        self.readers_waiting += 1
         with self._lock:
+            self.readers_waiting -= 1
             m = self._model(model)
             cache: dict[int, list] = {}
 
@@ -928,7 +946,9 @@ class PrefixIndex:
         The keys apply to every group whose block size is the headline block size.
         """
         keys = list(block_keys_)
+        self.readers_waiting += 1
         with self._lock:
+            self.readers_waiting -= 1
             m = self._model(model)
             bs = m.trees[m.default_groups()[0]].block_size if m.trees else 0
 
@@ -1101,7 +1121,7 @@ class PrefixIndex:
                 out[wid] = r
             return out
         names = self._tier_names
-        other = self._other_tiers(m, path)
+        other = self._other_tiers(m, tree.group, path)
         out: dict[int, tuple] = {}
         chain = [self._tier_ids.get(t) for t in self.total_chain]
         wids = set(gpu)
@@ -1141,13 +1161,14 @@ class PrefixIndex:
             c = self._credits_cache = [self.credits.get(n, 0.0) for n in self._tier_names]
         return c
 
-    def _other_tiers(self, m: _Model, path: list) -> dict:
+    def _other_tiers(self, m: _Model, group: int, path: list) -> dict:
         """Fully covered chunks per non-GPU tier and worker: {tid: {wid: [(start, end)]}}.
 
         A chunk ends at a block marked as a chunk end for the worker (R-APP-5); it
-        starts ``blocks_per_chunk`` blocks earlier (learned per worker and tier), and
-        counts only when the worker holds every one of its blocks in that tier.
+        starts as many blocks earlier as its store event carried, and counts only
+        when the worker holds every one of its blocks in that tier.
         """
+        workers = m.workers
         out: dict[int, dict] = {}
         runs: dict[tuple, int] = {}  # (tid, wid) -> start depth of the current unbroken run
         lasts: dict[tuple, int] = {}
@@ -1169,22 +1190,12 @@ class PrefixIndex:
                         runs[k] = d
                     lasts[k] = d
                     if ends & low:
-                        n = self._chunk_len(m, wid, t)
+                        w = workers.get(wid)
+                        wg = w.groups.get(group) if w is not None else None
+                        n = wg.ends.get(t, _EMPTY).get(node, 1) if wg is not None else 1
                         if d - n + 1 >= runs[k]:
                             out.setdefault(t, {}).setdefault(wid, []).append((d - n + 1, d))
         return out
-
-    @staticmethod
-    def _chunk_len(m: _Model, wid: int, tid: int) -> int:
-        w = m.workers.get(wid)
-        if w is None:
-            return 1
-        best = 1
-        for wg in w.groups.values():
-            c = wg.chunk.get(tid, 1)
-            if c > best:
-                best = c
-        return best
 
     # ------------------------------------------------------------------ stats
 
