@@ -1,0 +1,605 @@
+"""Live ingest: subscribe to vLLM engines over ZMQ and keep a PrefixIndex exact.
+
+Threads. One ingest thread owns every ZMQ socket (a SUB per worker, a DEALER per
+worker for replay, the socket monitors, and an inproc PAIR that wakes it for
+commands). It polls them all, and applies each batch to the :class:`PrefixIndex`
+under the index lock, one batch at a time. Queries run on the caller's thread
+and take the same lock, so they never see a half-applied batch (R-Q-5) and never
+wait behind more than one batch. One thread is enough: decoding and applying
+are CPU-bound Python, so more threads would only fight over the GIL, and a
+single owner needs no locking around per-worker sequence state.
+
+Per worker (engine id x DP rank, R-STR-1..5):
+
+* in order (``seq == last + 1``): apply;
+* already applied: skip (replay/live overlap);
+* backwards (``seq <= last`` on the live socket): the engine restarted. Drop the
+  worker's residency first, then treat the batch as the first one;
+* forward jump, or a first batch with ``seq > 0`` (late join): ask the worker's
+  replay endpoint for ``last + 1`` (``0`` on late join) with a DEALER, buffer live
+  batches meanwhile, apply replayed batches in order, then the buffered ones;
+* unrecoverable (no replay endpoint, timeout, or a replay that starts after the
+  requested seq because the engine's buffer no longer holds it): mark the worker
+  ``stale`` with the reason, keep its index, accept the gap and go on.
+
+Recovered means the worker's index again holds everything the engine published
+since it started: a restart observed at seq 0, or a replay from seq 0 that
+really starts at 0 (for example :meth:`Indexer.resync`). Either clears ``stale``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import Any, Iterable, Sequence
+
+import msgspec
+import zmq
+
+from .index import PrefixIndex
+from .publisher import END_SEQ, offset_endpoint
+from .result import MatchResult
+
+__all__ = ["EngineConfig", "Indexer"]
+
+log = logging.getLogger("indexer.ingest")
+
+
+class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One vLLM engine (contract §1): its DP rank ``r`` publishes on the ports plus ``r``."""
+
+    id: str
+    endpoint: str
+    model: str = "default"
+    replay_endpoint: str | None = None
+    topic: str = ""
+    dp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            raise ValueError("engine id must not be empty")
+        if not self.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"engine {self.id}: endpoint must be tcp://, ipc:// or inproc://, got {self.endpoint!r}")
+        if self.replay_endpoint is not None and not self.replay_endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"engine {self.id}: bad replay_endpoint {self.replay_endpoint!r}")
+        if not 1 <= self.dp_size <= 1024:
+            raise ValueError(f"engine {self.id}: dp_size must be 1..1024, got {self.dp_size}")
+
+
+class _Sub:
+    """Ingest-thread state of one worker's subscription."""
+
+    __slots__ = (
+        "engine", "rank", "model", "endpoint", "replay_endpoint", "topic", "sock", "mon",
+        "dealer", "connected", "last", "replaying", "replay_start", "replay_next",
+        "replay_deadline", "replay_failed", "pending", "replays_ok", "replays_failed",
+        "restarts", "gaps", "messages", "full_history",
+    )
+
+    def __init__(self, cfg: EngineConfig, rank: int) -> None:
+        self.engine = cfg.id
+        self.rank = rank
+        self.model = cfg.model
+        self.endpoint = offset_endpoint(cfg.endpoint, rank)
+        self.replay_endpoint = offset_endpoint(cfg.replay_endpoint, rank) if cfg.replay_endpoint else None
+        self.topic = cfg.topic.encode()
+        self.sock = self.mon = self.dealer = None
+        self.connected = False
+        self.last: int | None = None
+        self.replaying = False
+        self.replay_start = 0
+        self.replay_next = 0
+        self.replay_deadline = 0.0
+        self.replay_failed: str | None = None
+        self.pending: list = []
+        self.replays_ok = 0
+        self.replays_failed = 0
+        self.restarts = 0
+        self.gaps = 0
+        self.messages = 0
+        self.full_history = False  # the index holds this worker's stream from seq 0
+
+
+class Indexer:
+    """A :class:`PrefixIndex` fed live by ZMQ subscribers to a fleet of vLLM engines.
+
+    Parameters
+    ----------
+    engines:
+        :class:`EngineConfig` objects or dicts with the same fields.
+    index:
+        The index to feed (a new one by default, built with ``index_options``).
+    replay_timeout_s:
+        How long a replay may take before the worker is marked stale.
+    max_buffered:
+        Live batches buffered per worker while it replays; beyond, the replay is
+        abandoned (stale) rather than growing memory.
+    rcvhwm:
+        SUB receive high-water mark in messages (vLLM's own PUB default is 100,000).
+    """
+
+    def __init__(
+        self,
+        engines: Iterable[EngineConfig | dict] = (),
+        *,
+        index: PrefixIndex | None = None,
+        replay_timeout_s: float = 5.0,
+        max_buffered: int = 100_000,
+        rcvhwm: int = 1_000_000,
+        reconnect_ivl_ms: int = 100,
+        reconnect_ivl_max_ms: int = 5_000,
+        context: zmq.Context | None = None,
+        **index_options: Any,
+    ) -> None:
+        self.index = index if index is not None else PrefixIndex(**index_options)
+        self.replay_timeout_s = float(replay_timeout_s)
+        self.max_buffered = int(max_buffered)
+        self.rcvhwm = int(rcvhwm)
+        self.reconnect_ivl_ms = int(reconnect_ivl_ms)
+        self.reconnect_ivl_max_ms = int(reconnect_ivl_max_ms)
+        self._ctx = context or zmq.Context.instance()
+        self._engines: dict[str, EngineConfig] = {}
+        self._subs: dict[tuple[str, int], _Sub] = {}
+        self._cmds: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._running = threading.Event()
+        self._wake_addr = f"inproc://kvidx-wake-{id(self)}"
+        self._wake_tx = None
+        self._replaying: set = set()
+        for e in engines:
+            self._add(_as_config(e))
+
+    # ------------------------------------------------------------- public API
+
+    def start(self) -> None:
+        """Start the ingest thread (returns at once; engines connect in the background)."""
+        if self._thread is not None:
+            return
+        wake_rx = self._ctx.socket(zmq.PAIR)
+        wake_rx.bind(self._wake_addr)
+        self._wake_tx = self._ctx.socket(zmq.PAIR)
+        self._wake_tx.connect(self._wake_addr)
+        self._running.set()
+        self._thread = threading.Thread(target=self._run, args=(wake_rx,), name="kvidx-ingest", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the ingest thread and close every socket; the index is kept."""
+        if self._thread is None:
+            return
+        self._running.clear()
+        self._call("noop")
+        self._thread.join(timeout=5)
+        self._thread = None
+        if self._wake_tx is not None:
+            self._wake_tx.close(0)
+            self._wake_tx = None
+
+    async def astart(self) -> None:
+        self.start()
+
+    async def astop(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.stop)
+
+    def __enter__(self) -> "Indexer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def add_engine(self, engine: EngineConfig | dict | None = None, **fields: Any) -> EngineConfig:
+        """Subscribe to one more engine (all its DP ranks).
+
+        Raises
+        ------
+        ValueError
+            When the id is taken by a different configuration, or a field is bad.
+        """
+        cfg = _as_config(engine if engine is not None else fields)
+        return self._call("add", cfg)
+
+    def remove_engine(self, engine_id: str) -> bool:
+        """Unsubscribe from an engine and drop all its workers' residency (R-STR-6)."""
+        return self._call("remove", engine_id)
+
+    def resync(self, engine_id: str) -> None:
+        """Drop an engine's state and replay each worker from seq 0 (recovers stale workers
+        whose engine still buffers its whole history)."""
+        self._call("resync", engine_id)
+
+    def engines(self) -> list[EngineConfig]:
+        return list(self._engines.values())
+
+    def match(self, token_ids: Sequence[int], **kw: Any) -> MatchResult:
+        """Same as :meth:`PrefixIndex.match`."""
+        return self.index.match(token_ids, **kw)
+
+    def match_by_keys(self, keys: Sequence[int], **kw: Any) -> MatchResult:
+        return self.index.match_by_keys(keys, **kw)
+
+    def stats(self) -> dict:
+        return self.index.stats()
+
+    def workers(self) -> list[dict]:
+        """Per-worker status: the index's freshness, sizes and drop counters plus the
+        transport's view (connected, replaying, replays done and failed)."""
+        by_key = {(w["engine"], w["dp_rank"]): w for w in self.index.workers()}
+        subs = dict(list(self._subs.items()))  # one atomic copy under the GIL
+        out = []
+        for key in sorted(set(by_key) | set(subs)):
+            w = dict(by_key.get(key) or {"engine": key[0], "dp_rank": key[1], "stale": False,
+                                         "stale_reason": None, "last_seq": None, "dropped": {}})
+            sub = subs.get(key)
+            if sub is not None:
+                w.update(
+                    endpoint=sub.endpoint,
+                    replay_endpoint=sub.replay_endpoint,
+                    connected=sub.connected,
+                    replaying=sub.replaying,
+                    replays_ok=sub.replays_ok,
+                    replays_failed=sub.replays_failed,
+                    gaps=sub.gaps,  # seen on the wire, repaired or not
+                    messages=sub.messages,
+                )
+            out.append(w)
+        return out
+
+    # ---------------------------------------------------------- command path
+
+    def _call(self, op: str, arg: Any = None):
+        """Run a command on the ingest thread (or inline when it is not running)."""
+        if self._thread is None or threading.current_thread() is self._thread:
+            return self._do(op, arg)
+        done = threading.Event()
+        box: list = []
+        self._cmds.put((op, arg, done, box))
+        self._wake_tx.send(b"")
+        if not done.wait(10):
+            raise TimeoutError(f"ingest thread did not answer {op!r}")
+        if box and isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0] if box else None
+
+    def _do(self, op: str, arg: Any):
+        if op == "add":
+            return self._add(arg)
+        if op == "remove":
+            return self._remove(arg)
+        if op == "resync":
+            return self._resync(arg)
+        return None
+
+    def _add(self, cfg: EngineConfig) -> EngineConfig:
+        old = self._engines.get(cfg.id)
+        if old is not None:
+            if old == cfg:
+                return old
+            raise ValueError(f"engine {cfg.id!r} is already registered with another configuration")
+        self._engines[cfg.id] = cfg
+        for r in range(cfg.dp_size):
+            sub = _Sub(cfg, r)
+            self._subs[(cfg.id, r)] = sub
+            self.index.register_worker(cfg.id, r, model=cfg.model)
+            if self._thread is not None:
+                self._open(sub)
+        return cfg
+
+    def _remove(self, engine_id: str) -> bool:
+        cfg = self._engines.pop(engine_id, None)
+        if cfg is None:
+            return False
+        for r in range(cfg.dp_size):
+            sub = self._subs.pop((engine_id, r), None)
+            if sub is not None:
+                self._close(sub)
+                self._replaying.discard(sub)
+        self.index.drop_engine(engine_id)
+        return True
+
+    def _resync(self, engine_id: str) -> None:
+        for (e, _), sub in list(self._subs.items()):
+            if e == engine_id:
+                self.index.reset_worker(sub.engine, sub.rank)
+                sub.last = None
+                sub.pending = []
+                self._begin_replay(sub, 0, None)
+
+    # -------------------------------------------------------------- sockets
+
+    def _open(self, sub: _Sub) -> None:
+        s = self._ctx.socket(zmq.SUB)
+        s.setsockopt(zmq.RCVHWM, self.rcvhwm)
+        s.setsockopt(zmq.RECONNECT_IVL, self.reconnect_ivl_ms)
+        s.setsockopt(zmq.RECONNECT_IVL_MAX, self.reconnect_ivl_max_ms)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SUBSCRIBE, sub.topic)
+        sub.mon = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        s.connect(sub.endpoint)
+        sub.sock = s
+        self._poller.register(s, zmq.POLLIN)
+        self._poller.register(sub.mon, zmq.POLLIN)
+        self._owner[s] = (sub, "live")
+        self._owner[sub.mon] = (sub, "mon")
+        if sub.replay_endpoint:
+            self._open_dealer(sub)
+
+    def _open_dealer(self, sub: _Sub) -> None:
+        d = self._ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.setsockopt(zmq.RCVHWM, 0)
+        d.setsockopt(zmq.RECONNECT_IVL, self.reconnect_ivl_ms)
+        d.setsockopt(zmq.RECONNECT_IVL_MAX, self.reconnect_ivl_max_ms)
+        d.connect(sub.replay_endpoint)
+        sub.dealer = d
+        self._poller.register(d, zmq.POLLIN)
+        self._owner[d] = (sub, "replay")
+
+    def _close_dealer(self, sub: _Sub) -> None:
+        d = sub.dealer
+        if d is not None:
+            self._poller.unregister(d)
+            self._owner.pop(d, None)
+            d.close(0)
+            sub.dealer = None
+
+    def _close(self, sub: _Sub) -> None:
+        if sub.sock is None:
+            return
+        for s in (sub.sock, sub.mon):
+            self._poller.unregister(s)
+            self._owner.pop(s, None)
+        sub.sock.disable_monitor()
+        sub.mon.close(0)
+        sub.sock.close(0)
+        sub.sock = sub.mon = None
+        self._close_dealer(sub)
+
+    # ------------------------------------------------------------ the loop
+
+    def _run(self, wake_rx) -> None:
+        self._poller = zmq.Poller()
+        self._owner: dict = {}
+        self._poller.register(wake_rx, zmq.POLLIN)
+        for sub in self._subs.values():
+            self._open(sub)
+        try:
+            while self._running.is_set():
+                events = self._poller.poll(20 if self._replaying else 100)
+                for sock, _ in events:
+                    if sock is wake_rx:
+                        self._drain_commands(wake_rx)
+                        continue
+                    owner = self._owner.get(sock)
+                    if owner is None:
+                        continue
+                    sub, kind = owner
+                    if kind == "live":
+                        self._drain_live(sub, sock)
+                    elif kind == "replay":
+                        self._drain_replay(sub, sock)
+                    else:
+                        self._drain_monitor(sub, sock)
+                self._check_timeouts()
+        except Exception:  # pragma: no cover - a bug must not leave the thread dead silently
+            log.exception("ingest thread crashed")
+            raise
+        finally:
+            for sub in self._subs.values():
+                self._close(sub)
+                sub.connected = False
+            wake_rx.close(0)
+
+    def _drain_commands(self, wake_rx) -> None:
+        while True:
+            try:
+                wake_rx.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        while True:
+            try:
+                op, arg, done, box = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                box.append(self._do(op, arg))
+            except BaseException as e:  # handed back to the caller's thread
+                box.append(e)
+            done.set()
+
+    def _drain_live(self, sub: _Sub, sock, budget: int = 64) -> None:
+        # A bounded number per wake-up so one busy engine cannot starve the others.
+        for _ in range(budget):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            sub.messages += 1
+            if len(frames) != 3:
+                self._dropped(sub, "bad_frame_count")
+                continue
+            seqb = frames[1]
+            if len(seqb) != 8:
+                self._dropped(sub, "bad_seq_frame")
+                continue
+            self._on_live(sub, int.from_bytes(seqb, "big"), frames[2])
+
+    def _drain_monitor(self, sub: _Sub, sock) -> None:
+        while True:
+            try:
+                msg = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            event = int.from_bytes(msg[0][:2], "little")
+            sub.connected = event == zmq.EVENT_CONNECTED
+
+    # ----------------------------------------------------------- sequencing
+
+    def _apply(self, sub: _Sub, seq: int, payload: bytes) -> None:
+        index = self.index
+        index.apply(sub.engine, payload, model=sub.model, dp_rank=sub.rank, seq=seq)
+        sub.last = seq
+        if index.readers_waiting:
+            _yield_gil()
+
+    def _on_live(self, sub: _Sub, seq: int, payload: bytes) -> None:
+        if sub.replaying:
+            if len(sub.pending) >= self.max_buffered:
+                self._fail_replay(sub, f"more than {self.max_buffered} live batches arrived during replay")
+                self._finish_replay(sub)
+                self._on_live(sub, seq, payload)
+                return
+            sub.pending.append((seq, payload))
+            return
+        last = sub.last
+        if last is not None:
+            if seq == last + 1:
+                self._apply(sub, seq, payload)
+                return
+            if seq <= last:
+                # R-STR-5: a live seq going backwards is an engine restart (vLLM
+                # starts again at 0 with empty caches; PUB never repeats a message).
+                self.index.reset_worker(sub.engine, sub.rank)
+                sub.restarts += 1
+                sub.last = None
+                sub.full_history = False
+                last = None
+        if last is None:
+            if seq == 0:
+                sub.full_history = True
+                self.index.clear_stale(sub.engine, sub.rank)
+                self._apply(sub, seq, payload)
+                return
+            self._gap(sub, 0, seq, payload)  # R-STR-3: late join = a gap from 0
+            return
+        self._gap(sub, last + 1, seq, payload)  # R-STR-2
+
+    def _gap(self, sub: _Sub, start: int, seq: int, payload: bytes) -> None:
+        sub.gaps += 1
+        self._begin_replay(sub, start, (seq, payload))
+
+    def _begin_replay(self, sub: _Sub, start: int, live: tuple | None) -> None:
+        if live is not None:
+            sub.pending.append(live)
+        if sub.dealer is None:
+            if sub.replay_endpoint is None:
+                self._fail_replay(sub, f"batches {start}..{live[0] - 1 if live else '?'} lost and no replay endpoint")
+            else:
+                self._fail_replay(sub, "replay socket not open")
+            self._finish_replay(sub)
+            return
+        sub.replaying = True
+        sub.replay_start = start
+        sub.replay_next = start
+        sub.replay_failed = None
+        sub.replay_deadline = time.monotonic() + self.replay_timeout_s
+        self._replaying.add(sub)
+        sub.dealer.send_multipart((b"", start.to_bytes(8, "big")))
+
+    def _drain_replay(self, sub: _Sub, sock) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if not sub.replaying:
+                continue  # a late answer to a replay we gave up on
+            if frames and frames[0] == b"":
+                frames = frames[1:]
+            # >= 0.26: (topic, seq, payload); before: (seq, payload).
+            if len(frames) == 3:
+                seqb, payload = frames[1], frames[2]
+            elif len(frames) == 2:
+                seqb, payload = frames
+            else:
+                self._dropped(sub, "bad_replay_frame")
+                continue
+            if not payload or seqb == END_SEQ:
+                self._finish_replay(sub)
+                if not sub.replaying:
+                    continue
+                return
+            if len(seqb) != 8:
+                self._dropped(sub, "bad_replay_frame")
+                continue
+            seq = int.from_bytes(seqb, "big")
+            if seq < sub.replay_next:
+                continue
+            if seq > sub.replay_next:
+                # R-STR-4: the engine no longer holds what we asked for.
+                self._fail_replay(sub, f"replay from {sub.replay_next} started at {seq}: engine buffer overrun")
+                sub.replay_next = seq
+            if sub.replay_start == 0 and seq == 0 and sub.replay_failed is None:
+                sub.full_history = True
+            sub.last = seq - 1 if sub.last is None or sub.last < seq - 1 else sub.last
+            self._apply(sub, seq, payload)
+            sub.replay_next = seq + 1
+
+    def _fail_replay(self, sub: _Sub, reason: str) -> None:
+        if sub.replay_failed is None:
+            sub.replay_failed = reason
+            sub.replays_failed += 1
+        sub.full_history = False
+        self.index.mark_stale(sub.engine, sub.rank, reason)
+        log.warning("worker %s/%d stale: %s", sub.engine, sub.rank, reason)
+
+    def _finish_replay(self, sub: _Sub) -> None:
+        """End a replay (done, failed or timed out) and apply the buffered live batches."""
+        if sub.replaying and sub.replay_failed is None:
+            sub.replays_ok += 1
+            if sub.full_history:
+                self.index.clear_stale(sub.engine, sub.rank)
+        sub.replaying = False
+        self._replaying.discard(sub)
+        pending = sorted(sub.pending, key=lambda x: x[0])
+        sub.pending = []
+        for i, (seq, payload) in enumerate(pending):
+            last = sub.last
+            if last is not None and seq <= last:
+                continue  # already applied from the replay
+            if last is not None and seq > last + 1 and sub.replay_failed is None:
+                # Still a hole after the replay: ask again from where we are.
+                sub.pending = pending[i + 1 :]
+                self._gap(sub, last + 1, seq, payload)
+                return
+            if last is None and seq > 0 and sub.replay_failed is None:
+                sub.pending = pending[i + 1 :]
+                self._gap(sub, 0, seq, payload)
+                return
+            sub.last = seq - 1  # a failed replay: accept the gap (the worker is stale)
+            self._apply(sub, seq, payload)
+
+    def _check_timeouts(self) -> None:
+        if not self._replaying:
+            return
+        now = time.monotonic()
+        for sub in list(self._replaying):
+            if now > sub.replay_deadline:
+                self._fail_replay(sub, f"replay from {sub.replay_start} timed out after {self.replay_timeout_s:g}s")
+                # A new DEALER so a late answer to this request cannot be mistaken
+                # for the next one.
+                self._close_dealer(sub)
+                self._open_dealer(sub)
+                self._finish_replay(sub)
+
+    # ---------------------------------------------------------------- status
+
+    def _dropped(self, sub: _Sub, reason: str) -> None:
+        self.index.count_dropped(sub.engine, sub.rank, reason)
+
+
+def _yield_gil() -> None:
+    # sleep(0) releases the GIL so a query blocked on it runs now.
+    time.sleep(0)
+
+
+def _as_config(e: EngineConfig | dict) -> EngineConfig:
+    if isinstance(e, EngineConfig):
+        return e
+    try:
+        return msgspec.convert(e, EngineConfig)
+    except msgspec.ValidationError as err:
+        raise ValueError(f"bad engine configuration: {err}") from None
