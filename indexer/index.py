@@ -23,6 +23,7 @@ from collections import deque
 from typing import Any, Iterable, Sequence
 
 import msgspec
+import xxhash
 
 from .keys import KEY_SEED, block_keys, query_extra_keys, seeds_for_blocks, tokens_to_bytes
 from .result import MatchResult, WorkerMatch
@@ -39,6 +40,7 @@ DEFAULT_GROUP_KINDS = frozenset(
 GPU = 0  # tier id of "GPU", fixed
 
 _now = time.monotonic
+_xxh3 = xxhash.xxh3_64_intdigest
 
 
 class _WG:
@@ -924,9 +926,9 @@ class PrefixIndex:
         with self._lock:
             self.readers_waiting -= 1
             m = self._model(model)
-            cache: dict[int, list] = {}
+            cache: dict[int, _LazyKeys] = {}
 
-            def keys_for(bs: int) -> list:
+            def keys_for(bs: int):
                 ks = cache.get(bs)
                 if ks is None:
                     n = ntok // bs
@@ -935,8 +937,8 @@ class PrefixIndex:
                     else:
                         ek = query_extra_keys(n, cache_salt, extra_keys)
                         seed = seeds_for_blocks(n, lora_name, ek)
-                    ks = cache[bs] = block_keys(buf, bs, seed)
-                return ks
+                    ks = cache[bs] = _LazyKeys(buf, bs, seed, n)
+                return ks.chunks()
 
             return self._match(m, keys_for, ntok)
 
@@ -952,8 +954,8 @@ class PrefixIndex:
             m = self._model(model)
             bs = m.trees[m.default_groups()[0]].block_size if m.trees else 0
 
-            def keys_for(b: int) -> list:
-                return keys if b == bs else []
+            def keys_for(b: int):
+                return (keys,) if b == bs else ()
 
             return self._match(m, keys_for, len(keys) * bs)
 
@@ -1061,8 +1063,8 @@ class PrefixIndex:
             for wid, (tiers, total, weighted) in head.items()
         }
 
-    def _match_path(self, m: _Model, tree: Tree, keys) -> dict | None:
-        """Walk one group's tree along ``keys`` and answer per worker (read-only).
+    def _match_path(self, m: _Model, tree: Tree, key_chunks) -> dict | None:
+        """Walk one group's tree along the keys and answer per worker (read-only).
 
         Returns ``{wid: (((tier, blocks), ...), total, weighted blocks)}``, or None
         when nothing matched. The GPU prefix of every worker is computed during the
@@ -1074,32 +1076,36 @@ class PrefixIndex:
         node = tree.root
         active = -1  # every worker, until the first node narrows it
         d = 0
-        for k in keys:
-            kids = node.kids
-            if kids is None:
-                break
-            if kids.__class__ is dict:
-                node = kids.get(k)
-                if node is None:
+        for chunk in key_chunks:  # keys come in growing chunks: a miss hashes little
+            for k in chunk:
+                kids = node.kids
+                if kids is None:
                     break
-            elif kids.key == k:
-                node = kids
+                if kids.__class__ is dict:
+                    node = kids.get(k)
+                    if node is None:
+                        break
+                elif kids.key == k:
+                    node = kids
+                else:
+                    break
+                if keep:
+                    path.append(node)
+                elif not active:
+                    break
+                nm = active & node.gpu
+                if nm != active:
+                    if d:
+                        x = active ^ nm
+                        while x:
+                            low = x & -x
+                            gpu[low.bit_length() - 1] = d
+                            x ^= low
+                    active = nm
+                d += 1
             else:
-                break
-            if keep:
-                path.append(node)
-            elif not active:
-                break
-            nm = active & node.gpu
-            if nm != active:
-                if d:
-                    x = active ^ nm
-                    while x:
-                        low = x & -x
-                        gpu[low.bit_length() - 1] = d
-                        x ^= low
-                active = nm
-            d += 1
+                continue
+            break
         if d == 0:
             return None
         while active > 0:
@@ -1279,6 +1285,40 @@ def _rank_key(x: WorkerMatch):
 
 
 _EMPTY: dict = {}
+
+
+class _LazyKeys:
+    """A query's block keys, hashed in growing chunks (8, 64, 512, ... blocks) as the
+    walk asks for them: a prompt that misses early hashes a few blocks, not all.
+    Computed chunks are kept for the next group with the same block size."""
+
+    __slots__ = ("buf", "step", "seed", "n", "done", "i")
+
+    def __init__(self, buf: bytes, block_size: int, seed, n: int) -> None:
+        self.buf = buf
+        self.step = block_size * 4
+        self.seed = seed
+        self.n = n
+        self.done: list[list[int]] = []
+        self.i = 0
+
+    def chunks(self):
+        if self.done:
+            yield from self.done
+        buf, step, seed, n = self.buf, self.step, self.seed, self.n
+        i = self.i
+        size = 8 << (3 * len(self.done))
+        plain = seed.__class__ is int
+        while i < n:
+            j = i + size if i + size < n else n
+            if plain:
+                c = [_xxh3(buf[b : b + step], seed) for b in range(i * step, j * step, step)]
+            else:
+                c = [_xxh3(buf[b * step : (b + 1) * step], seed[b]) for b in range(i, j)]
+            self.done.append(c)
+            self.i = i = j
+            size <<= 3
+            yield c
 
 
 def _new_worker_match(fields: tuple) -> WorkerMatch:
