@@ -837,6 +837,12 @@ class PrefixIndex:
         with self._lock:
             self._worker(engine, dp_rank, model)
 
+    def last_batch_ts(self, engine: str, dp_rank: int = 0) -> float | None:
+        """Timestamp (the batch's ``ts``) of the worker's last applied batch."""
+        with self._lock:
+            w = self._workers.get((engine, dp_rank))
+            return None if w is None else w.last_ts
+
     def mark_stale(self, engine: str, dp_rank: int = 0, reason: str = "stale") -> None:
         """Mark a worker stale with ``reason``; its index is kept and answers say so."""
         with self._lock:

@@ -41,6 +41,7 @@ import zmq
 
 from .index import PrefixIndex
 from .publisher import END_SEQ, offset_endpoint
+from .wire import peek_ts
 from .result import MatchResult
 
 __all__ = ["EngineConfig", "Indexer"]
@@ -446,27 +447,34 @@ class Indexer:
             _yield_gil()
 
     def _on_live(self, sub: _Sub, seq: int, payload: bytes) -> None:
-        if sub.replaying:
-            if len(sub.pending) >= self.max_buffered:
-                self._fail_replay(sub, f"more than {self.max_buffered} live batches arrived during replay")
-                self._finish_replay(sub)
-                self._on_live(sub, seq, payload)
-                return
-            sub.pending.append((seq, payload))
-            return
         last = sub.last
-        if last is not None:
+        if sub.replaying:
+            behind = seq < sub.replay_start or (last is not None and seq <= last)
+            if not behind:
+                if len(sub.pending) >= self.max_buffered:
+                    self._fail_replay(sub, f"more than {self.max_buffered} live batches arrived during replay")
+                    self._abort_replay(sub, keep_pending=True)
+                    self._finish_replay(sub)
+                    self._on_live(sub, seq, payload)
+                    return
+                sub.pending.append((seq, payload))
+                return
+            if not self._is_restart(sub, payload):
+                return  # live backlog already applied from the replay (R-STR-1)
+            self._abort_replay(sub)  # the engine restarted under the replay
+        elif last is not None:
             if seq == last + 1:
                 self._apply(sub, seq, payload)
                 return
-            if seq <= last:
-                # R-STR-5: a live seq going backwards is an engine restart (vLLM
-                # starts again at 0 with empty caches; PUB never repeats a message).
-                self.index.reset_worker(sub.engine, sub.rank)
-                sub.restarts += 1
-                sub.last = None
-                sub.full_history = False
-                last = None
+            if seq <= last and not self._is_restart(sub, payload):
+                return  # already applied (replay overlap): skipped (R-STR-1)
+        if last is not None and seq <= last:
+            # R-STR-5: the sequence went backwards with a newer batch: the engine
+            # restarted (vLLM starts again at 0 with empty caches).
+            self.index.reset_worker(sub.engine, sub.rank)
+            sub.restarts += 1
+            sub.last = last = None
+            sub.full_history = False
         if last is None:
             if seq == 0:
                 sub.full_history = True
@@ -476,6 +484,28 @@ class Indexer:
             self._gap(sub, 0, seq, payload)  # R-STR-3: late join = a gap from 0
             return
         self._gap(sub, last + 1, seq, payload)  # R-STR-2
+
+    def _is_restart(self, sub: _Sub, payload: bytes) -> bool:
+        """A batch at or below the last applied seq is a restart only if it is newer.
+
+        vLLM stamps every batch with ``time.time()``: a live batch the replay
+        already delivered carries its old stamp, a restarted engine's batch a
+        newer one. (PUB never repeats a message, but replay and live overlap.)
+        """
+        ts = peek_ts(payload)
+        last_ts = self.index.last_batch_ts(sub.engine, sub.rank)
+        return ts is not None and last_ts is not None and ts > last_ts
+
+    def _abort_replay(self, sub: _Sub, keep_pending: bool = False) -> None:
+        """Give up a replay in flight: a new DEALER, so late answers cannot reach the
+        next replay. The buffered live batches go unless ``keep_pending``."""
+        if sub.dealer is not None:
+            self._close_dealer(sub)
+            self._open_dealer(sub)
+        if not keep_pending:
+            sub.replaying = False
+            sub.pending = []
+            self._replaying.discard(sub)
 
     def _gap(self, sub: _Sub, start: int, seq: int, payload: bytes) -> None:
         sub.gaps += 1
@@ -579,10 +609,7 @@ class Indexer:
         for sub in list(self._replaying):
             if now > sub.replay_deadline:
                 self._fail_replay(sub, f"replay from {sub.replay_start} timed out after {self.replay_timeout_s:g}s")
-                # A new DEALER so a late answer to this request cannot be mistaken
-                # for the next one.
-                self._close_dealer(sub)
-                self._open_dealer(sub)
+                self._abort_replay(sub, keep_pending=True)
                 self._finish_replay(sub)
 
     # ---------------------------------------------------------------- status

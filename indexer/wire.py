@@ -34,6 +34,7 @@ __all__ = [
     "DecodeError",
     "DecodedBatch",
     "decode_batch",
+    "peek_ts",
     "raw_array_len",
     "decode_tokens",
 ]
@@ -177,7 +178,14 @@ class _RawBatch(Struct, array_like=True, gc=False):
     data_parallel_rank: int | None = None
 
 
+class _TsOnly(Struct, array_like=True, gc=False):
+    ts: float
+    events: Raw
+    data_parallel_rank: Any = None
+
+
 _map_batch = msgspec.msgpack.Decoder(_MapBatch)
+_ts_only = msgspec.msgpack.Decoder(_TsOnly)
 _arr_batch = msgspec.msgpack.Decoder(_ArrBatch)
 _raw_batch = msgspec.msgpack.Decoder(_RawBatch)
 _map_event = msgspec.msgpack.Decoder(Union[_LenientMapStored, _LenientMapRemoved, _LenientMapCleared])
@@ -229,6 +237,14 @@ def decode_batch(payload: bytes) -> DecodedBatch:
     except msgspec.DecodeError:
         pass
     return _decode_slow(payload)
+
+
+def peek_ts(payload: bytes) -> float | None:
+    """The batch timestamp alone (events are skipped, not decoded); None if unreadable."""
+    try:
+        return _ts_only.decode(payload).ts
+    except msgspec.DecodeError:
+        return None
 
 
 def _decode_slow(payload: bytes) -> DecodedBatch:
