@@ -5,6 +5,8 @@ No web framework here: routers embed this package directly, the service in
 """
 
 from .index import DEFAULT_CREDITS, PrefixIndex
+from .ingest import EngineConfig, Indexer
+from .publisher import VllmPublisher
 from .keys import KEY_SEED, block_keys, namespace_seed
 from .result import MatchResult, WorkerMatch
 from .wire import DecodeError, decode_batch
@@ -13,8 +15,11 @@ __all__ = [
     "DEFAULT_CREDITS",
     "KEY_SEED",
     "DecodeError",
+    "EngineConfig",
+    "Indexer",
     "MatchResult",
     "PrefixIndex",
+    "VllmPublisher",
     "WorkerMatch",
     "block_keys",
     "decode_batch",

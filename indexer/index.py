@@ -360,7 +360,8 @@ class PrefixIndex:
         created = 0
         if tid == GPU and not capped and get(hashes[0]) is None:
             # The hot path: a GPU store that starts with a new block. Same steps as
-            # the general loop below, minus its per-block branches.
+            # the general loop below (Tree.child / Tree.add_child inlined, the node
+            # born with the worker's bit), minus its per-block branches.
             keys = self._event_keys(ev, tree.block_size, len(hashes))
             if keys is None:
                 return "bad_tokens"
@@ -405,26 +406,12 @@ class PrefixIndex:
                 if keys is None:
                     keys = self._event_keys(ev, tree.block_size, len(hashes))
                     if keys is None:
-                        tree.nodes += created
                         self._rollback(tree, wg, w, tid, hashes, i)
                         return "bad_tokens"
                 k = keys[i]
-                # Tree.child / Tree.add_child, inlined: this loop runs once per block.
-                kids = parent.kids
-                if kids is None:
-                    node = parent.kids = Node(k, parent)
-                    created += 1
-                elif kids.__class__ is dict:
-                    node = kids.get(k)
-                    if node is None:
-                        node = kids[k] = Node(k, parent)
-                        created += 1
-                elif kids.key == k:
-                    node = kids
-                else:
-                    node = Node(k, parent)
-                    parent.kids = {kids.key: kids, k: node}
-                    created += 1
+                node = tree.child(parent, k)
+                if node is None:
+                    node = tree.add_child(parent, k)
                 wmap[h] = node
             if capped:
                 tree.touch(node)
@@ -448,7 +435,6 @@ class PrefixIndex:
                         tiers[tid] = m | bit
                         new += 1
             parent = node
-        tree.nodes += created
         if tid != GPU:
             # R-APP-5: the blocks of one event form a chunk; mark its last block.
             tiers = parent.tiers

@@ -472,9 +472,7 @@ class Indexer:
             seq = int.from_bytes(seqb, "big")
             last = sub.last
             if last is not None and seq == last + 1 and not sub.replaying:
-                if sub.replayed:
-                    sub.replayed.clear()  # live has caught up past the replayed range
-                self._apply(sub, seq, frames[2])  # in order: the common case
+                self._apply_next(sub, seq, frames[2])  # in order: the common case
             else:
                 self._on_live(sub, seq, frames[2])
 
@@ -495,6 +493,12 @@ class Indexer:
         sub.last = seq
         if index.readers_waiting:
             _yield_gil()
+
+    def _apply_next(self, sub: _Sub, seq: int, payload: bytes) -> None:
+        """Apply the live batch that follows the last applied one."""
+        if sub.replayed:
+            sub.replayed.clear()  # live has caught up past the replayed range
+        self._apply(sub, seq, payload)
 
     def _on_live(self, sub: _Sub, seq: int, payload: bytes) -> None:
         """Sequence one live batch (anything but the in-order fast path)."""
@@ -517,9 +521,7 @@ class Indexer:
             last = None
         elif last is not None:
             if seq == last + 1:
-                if sub.replayed:
-                    sub.replayed.clear()  # live has caught up past the replayed range
-                self._apply(sub, seq, payload)
+                self._apply_next(sub, seq, payload)
                 return
             if seq <= last:
                 if self._is_duplicate(sub, seq, payload):
@@ -586,7 +588,6 @@ class Indexer:
         sub.replaying = True
         sub.replay_start = start
         sub.replay_next = start
-        sub.replay_failed = None
         sub.replay_deadline = time.monotonic() + self.replay_timeout_s
         self._replaying.add(sub)
         sub.dealer.send_multipart((b"", start.to_bytes(8, "big")))

@@ -169,23 +169,3 @@ class Tree:
             st = stamps.get(node)
             if st is not None:  # a held node that just became a leaf
                 heapq.heappush(self.leaves, (st, id(node), node))
-
-    def walk(self, keys) -> list:
-        """Nodes along ``keys`` from the root, as deep as the tree goes (read-only)."""
-        path = []
-        node = self.root
-        append = path.append
-        for k in keys:
-            kids = node.kids
-            if kids is None:
-                break
-            if kids.__class__ is dict:
-                node = kids.get(k)
-                if node is None:
-                    break
-            elif kids.key == k:
-                node = kids
-            else:
-                break
-            append(node)
-        return path
