@@ -1,12 +1,12 @@
 """kv-prefix-indexer core library: vLLM KV events in, longest-prefix matches out.
 
 No web framework here: routers embed this package directly, the service in
-``api/`` wraps it.
+``api/`` wraps it. ``Indexer``, ``EngineConfig`` and ``VllmPublisher`` (live ZMQ
+ingest) load pyzmq on first use, so an embedding that only needs
+``PrefixIndex`` never imports it.
 """
 
 from .index import DEFAULT_CREDITS, PrefixIndex
-from .ingest import EngineConfig, Indexer
-from .publisher import VllmPublisher
 from .keys import KEY_SEED, block_keys, namespace_seed
 from .result import MatchResult, WorkerMatch
 from .wire import DecodeError, decode_batch
@@ -25,3 +25,16 @@ __all__ = [
     "decode_batch",
     "namespace_seed",
 ]
+
+_LAZY = {"Indexer": "ingest", "EngineConfig": "ingest", "VllmPublisher": "publisher"}
+
+
+def __getattr__(name: str):
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'indexer' has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(f".{mod}", __name__), name)
+    globals()[name] = value
+    return value

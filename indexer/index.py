@@ -145,7 +145,7 @@ class PrefixIndex:
         max_tiers: int = MAX_TIERS,
         clock=_now,
     ) -> None:
-        self.credits = dict(DEFAULT_CREDITS if credits is None else credits)
+        self.credits = {k.upper(): float(v) for k, v in (DEFAULT_CREDITS if credits is None else credits).items()}
         self.total_chain = tuple(t.upper() for t in total_chain)
         self.stale_factor = float(stale_factor)
         self.max_orphans = int(max_orphans)
@@ -986,15 +986,19 @@ class PrefixIndex:
             # The common shape: one attention group. Headline = that group.
             (g, got), = per_group.items()
             gname = str(g)
+            groups_of: dict[int, tuple] = {}  # answers are shared by workers at one depth
             for wid, r in got.items():
                 w = workers.get(wid)
                 if w is None:
                     continue
                 tier_items, total, weighted = r
+                gi = groups_of.get(id(r))
+                if gi is None:
+                    gi = groups_of[id(r)] = ((gname, tier_items, total),)
                 la = w.last_apply
                 append(new_match((
-                    w.engine, w.dp_rank, tier_items, ((gname, tier_items, total),), total,
-                    total * head_bs, float(weighted * stale_factor if w.stale else weighted),
+                    w.engine, w.dp_rank, tier_items, gi, total, total * head_bs,
+                    weighted * stale_factor if w.stale else weighted,
                     w.stale, w.stale_reason, w.last_seq, None if la is None else now - la,
                 )))
             out.sort(key=_rank_key)
