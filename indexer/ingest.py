@@ -174,6 +174,7 @@ class Indexer:
         self._wake_addr = f"inproc://kvidx-wake-{id(self)}"
         self._wake_tx = None
         self._replaying: set = set()
+        self.error: str | None = None  # set if the ingest thread died (see ``running``)
         for e in engines:
             self._add(_as_config(e))
 
@@ -202,6 +203,11 @@ class Indexer:
         if self._wake_tx is not None:
             self._wake_tx.close(0)
             self._wake_tx = None
+
+    @property
+    def running(self) -> bool:
+        """True while the ingest thread is alive (False after ``stop()`` or a crash)."""
+        return self._thread is not None and self._thread.is_alive()
 
     async def astart(self) -> None:
         self.start()
@@ -421,7 +427,8 @@ class Indexer:
                     else:
                         self._drain_monitor(sub, sock)
                 self._check_timeouts()
-        except Exception:  # pragma: no cover - a bug must not leave the thread dead silently
+        except Exception as e:  # a bug must not leave the thread dead silently
+            self.error = f"ingest thread crashed: {e!r}"
             log.exception("ingest thread crashed")
             raise
         finally:
