@@ -28,7 +28,7 @@ import xxhash
 from .keys import KEY_SEED, block_keys, query_extra_keys, seeds_for_blocks, tokens_to_bytes
 from .result import MatchResult, WorkerMatch
 from .tree import DEAD, MAX_TIERS, Node, Tree
-from .wire import CLEARED, REMOVED, STORED, DecodeError, decode_batch, decode_tokens, raw_array_len
+from .wire import REMOVED, STORED, DecodeError, decode_batch, decode_tokens, raw_array_len
 
 __all__ = ["PrefixIndex", "DEFAULT_CREDITS", "DEFAULT_GROUP_KINDS"]
 

@@ -17,15 +17,14 @@ from __future__ import annotations
 import random
 
 import pytest
-import xxhash
 
 import golden
 from indexer import PrefixIndex
-from indexer.testing import Cleared, Removed, Stored, encode_batch
+from indexer.testing import Cleared, Stored, encode_batch
 
 from evkit import (
     ENGINE, FA, GOLDEN_DIRS, WIRE, FakeClock, apply, chunks, counter, ehashes, ev, golden_events,
-    gpu_evictions, placeholder, removed, store, tiers, toks, total, winfo, wm,
+    gpu_evictions, placeholder, removed, store, tiers, toks, winfo, wm,
 )
 
 

@@ -11,14 +11,13 @@ import sys
 import threading
 
 import pytest
-import xxhash
 
 import golden
 from indexer import PrefixIndex
 from indexer.keys import block_keys
-from indexer.testing import Removed, Stored, encode_batch
+from indexer.testing import Removed, encode_batch
 
-from evkit import ENGINE, FA, WIRE, FakeClock, apply, chunks, ehashes, gpu_evictions, store, toks, wm
+from evkit import ENGINE, WIRE, FakeClock, apply, chunks, ehashes, gpu_evictions, store, toks, wm
 
 
 def issue_example(ver="0.33", **kw) -> tuple[PrefixIndex, list[int]]:
