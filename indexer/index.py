@@ -1210,6 +1210,11 @@ class PrefixIndex:
         if w is not None:
             w.dropped[reason] = w.dropped.get(reason, 0) + 1
 
+    def counter(self, name: str) -> int:
+        """One counter of ``stats()["counters"]`` (e.g. ``"batches_applied"``), cheaply:
+        no lock and no copy, for pollers that must not slow ingest down."""
+        return self._counters.get(name, 0)
+
     def count_dropped(self, engine: str, dp_rank: int | None, reason: str) -> None:
         """Count a message the transport dropped before decoding (R-DEC-3)."""
         with self._lock:
