@@ -222,6 +222,9 @@ class PrefixIndex:
                 batch = decode_batch(payload)
             except DecodeError as e:
                 self._drop(engine, model, dp_rank, e.reason)
+                w = self._workers.get((engine, dp_rank or 0))
+                if w is not None and seq is not None and (w.last_seq is None or seq > w.last_seq):
+                    w.last_seq = seq  # the sequence number was used, by a bad batch
                 return "dropped"
             rank = batch.dp_rank if batch.dp_rank is not None else (dp_rank or 0)
             if rank.__class__ is not int or rank < 0 or rank > self.max_dp_rank:

@@ -187,6 +187,8 @@ class Indexer:
         wake_rx = self._ctx.socket(zmq.PAIR)
         wake_rx.bind(self._wake_addr)
         self._wake_tx = self._ctx.socket(zmq.PAIR)
+        self._wake_tx.setsockopt(zmq.SNDTIMEO, 2000)
+        self._wake_tx.setsockopt(zmq.LINGER, 0)
         self._wake_tx.connect(self._wake_addr)
         self._running.set()
         self._thread = threading.Thread(target=self._run, args=(wake_rx,), name="kvidx-ingest", daemon=True)
@@ -194,11 +196,18 @@ class Indexer:
 
     def stop(self) -> None:
         """Stop the ingest thread and close every socket; the index is kept."""
-        if self._thread is None:
+        t = self._thread
+        if t is None:
             return
-        self._running.clear()
-        self._call("noop")
-        self._thread.join(timeout=5)
+        if t.is_alive():
+            try:
+                # The ingest thread clears its own running flag, between two
+                # batches; clearing it from here could make it exit without
+                # answering, and a send to a closed wake socket would block.
+                self._call("halt")
+            except TimeoutError:
+                self._running.clear()
+        t.join(timeout=5)
         self._thread = None
         if self._wake_tx is not None:
             self._wake_tx.close(0)
@@ -288,14 +297,24 @@ class Indexer:
         done = threading.Event()
         box: list = []
         self._cmds.put((op, arg, done, box))
-        self._wake_tx.send(b"")
-        if not done.wait(10):
-            raise TimeoutError(f"ingest thread did not answer {op!r}")
+        try:
+            self._wake_tx.send(b"")
+        except zmq.Again:
+            raise TimeoutError(f"ingest thread did not take {op!r}") from None
+        deadline = time.monotonic() + 10
+        while not done.wait(0.1):
+            if not self._thread.is_alive():
+                raise TimeoutError(f"ingest thread is gone ({self.error or 'stopped'}); {op!r} not done")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ingest thread did not answer {op!r}")
         if box and isinstance(box[0], BaseException):
             raise box[0]
         return box[0] if box else None
 
     def _do(self, op: str, arg: Any):
+        if op == "halt":
+            self._running.clear()
+            return None
         if op == "add":
             return self._add(arg)
         if op == "remove":
