@@ -1006,7 +1006,7 @@ class PrefixIndex:
                 )))
             out.sort(key=_rank_key)
             best = out[0] if out and out[0].total_blocks > 0 else None
-            return MatchResult(m.name, head_bs, qblocks, out, best)
+            return tuple.__new__(MatchResult, (m.name, head_bs, qblocks, out, best))
         head = self._headline(m, defaults, per_group, head_bs)
         for wid in set().union(*per_group.values()):
             w = workers.get(wid)
