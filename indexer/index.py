@@ -157,9 +157,10 @@ class PrefixIndex:
         self._clock = clock
         self._lock = threading.Lock()
         # Queries about to take the lock: a writer thread yields the GIL after a
-        # batch when this is non-zero, so a query waits for one batch, not for the
-        # interpreter's 5 ms switch interval (a hint; exactness is not needed).
-        self.readers_waiting = 0
+        # batch when this is not empty, so a query waits for one batch, not for the
+        # interpreter's 5 ms switch interval. A deque because append/pop are atomic
+        # under the GIL, where `+= 1` from several query threads could drift.
+        self.readers_waiting: deque = deque()
         self._models: dict[str, _Model] = {}
         self._workers: dict[tuple[str, int], _Worker] = {}
         self._free_wids: list[int] = []
@@ -917,9 +918,9 @@ class PrefixIndex:
         """
         buf = tokens_to_bytes(token_ids)
         ntok = len(buf) // 4
-        self.readers_waiting += 1
+        self.readers_waiting.append(None)
         with self._lock:
-            self.readers_waiting -= 1
+            self.readers_waiting.pop()
             m = self._model(model)
             cache: dict[int, _LazyKeys] = {}
 
@@ -943,9 +944,9 @@ class PrefixIndex:
         The keys apply to every group whose block size is the headline block size.
         """
         keys = list(block_keys_)
-        self.readers_waiting += 1
+        self.readers_waiting.append(None)
         with self._lock:
-            self.readers_waiting -= 1
+            self.readers_waiting.pop()
             m = self._model(model)
             bs = m.trees[m.default_groups()[0]].block_size if m.trees else 0
 
