@@ -60,7 +60,7 @@ class _WG:
 class _Worker:
     __slots__ = (
         "wid", "bit", "engine", "dp_rank", "model", "groups", "last_seq", "last_ts",
-        "last_apply", "stale", "stale_reason", "dropped", "batches", "restarts", "gaps",
+        "last_apply", "stale", "stale_reason", "dropped", "batches", "restarts", "gaps", "fresh",
     )
 
     def __init__(self, wid: int, engine: str, dp_rank: int, model: str) -> None:
@@ -79,6 +79,11 @@ class _Worker:
         self.batches = 0
         self.restarts = 0
         self.gaps = 0
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Snapshot the freshness fields a query reports (one tuple, shared by answers)."""
+        self.fresh = (self.stale, self.stale_reason, self.last_seq, self.last_apply)
 
 
 class _Model:
@@ -226,6 +231,7 @@ class PrefixIndex:
                 w = self._workers.get((engine, dp_rank or 0))
                 if w is not None and seq is not None and (w.last_seq is None or seq > w.last_seq):
                     w.last_seq = seq  # the sequence number was used, by a bad batch
+                    w.refresh()
                 return "dropped"
             rank = batch.dp_rank if batch.dp_rank is not None else (dp_rank or 0)
             if rank.__class__ is not int or rank < 0 or rank > self.max_dp_rank:
@@ -256,6 +262,7 @@ class PrefixIndex:
             self._apply_events(w, batch.events)
             w.last_ts = batch.ts
             w.last_apply = self._clock()
+            w.fresh = (w.stale, w.stale_reason, w.last_seq, w.last_apply)
             w.batches += 1
             self._count("batches_applied")
             return "applied"
@@ -794,6 +801,7 @@ class PrefixIndex:
         self._drop_worker_tiers(w, None)
         w.restarts += 1
         w.last_seq = None
+        w.refresh()
         self._count("restarts")
 
     def drop_worker(self, engine: str, dp_rank: int = 0) -> bool:
@@ -842,6 +850,7 @@ class PrefixIndex:
                     self._count("stale_marked")
                 w.stale = True
                 w.stale_reason = reason
+                w.refresh()
 
     def clear_stale(self, engine: str, dp_rank: int = 0) -> None:
         """Clear a worker's stale mark (after a successful recovery)."""
@@ -850,6 +859,7 @@ class PrefixIndex:
             if w is not None and w.stale:
                 w.stale = False
                 w.stale_reason = None
+                w.refresh()
                 self._count("stale_cleared")
 
     def workers(self) -> list[dict]:
@@ -990,22 +1000,22 @@ class PrefixIndex:
             # The common shape: one attention group. Headline = that group.
             (g, got), = per_group.items()
             gname = str(g)
-            groups_of: dict[int, tuple] = {}  # answers are shared by workers at one depth
+            shared: dict[int, tuple] = {}  # answers are shared by workers at one depth
             for wid, r in got.items():
                 w = workers.get(wid)
                 if w is None:
                     continue
-                tier_items, total, weighted = r
-                gi = groups_of.get(id(r))
-                if gi is None:
-                    gi = groups_of[id(r)] = ((gname, tier_items, total),)
-                la = w.last_apply
+                c = shared.get(id(r))
+                if c is None:
+                    tier_items, total, weighted = r
+                    c = shared[id(r)] = (-weighted, -total, tier_items, ((gname, tier_items, total),),
+                                         total * head_bs)
+                fresh = w.fresh
                 append(new_match((
-                    w.engine, w.dp_rank, tier_items, gi, total, total * head_bs,
-                    weighted * stale_factor if w.stale else weighted,
-                    w.stale, w.stale_reason, w.last_seq, None if la is None else now - la,
+                    c[0] * stale_factor if fresh[0] else c[0], c[1], w.engine, w.dp_rank,
+                    c[2], c[3], c[4], fresh, now,
                 )))
-            out.sort(key=_rank_key)
+            out.sort()  # WorkerMatch tuples order as the ranking: no key function
             best = out[0] if out and out[0].total_blocks > 0 else None
             return tuple.__new__(MatchResult, (m.name, head_bs, qblocks, out, best))
         head = self._headline(m, defaults, per_group, head_bs)
@@ -1023,13 +1033,11 @@ class PrefixIndex:
                     score *= stale_factor
             else:
                 tier_items, total_blocks, score = (), 0, 0.0
-            la = w.last_apply
             append(new_match((
-                w.engine, w.dp_rank, tier_items, group_items, total_blocks,
-                total_blocks * head_bs, float(score), w.stale, w.stale_reason, w.last_seq,
-                None if la is None else now - la,
+                -float(score), -total_blocks, w.engine, w.dp_rank, tier_items, group_items,
+                total_blocks * head_bs, w.fresh, now,
             )))
-        out.sort(key=_rank_key)
+        out.sort()
         best = out[0] if out and out[0].total_blocks > 0 else None
         return MatchResult(m.name, head_bs, qblocks, out, best)
 
@@ -1070,7 +1078,7 @@ class PrefixIndex:
         when nothing matched. The GPU prefix of every worker is computed during the
         walk, as bit masks: ``active`` holds the workers whose GPU run is unbroken.
         """
-        gpu: dict[int, int] = {}
+        stops: list[tuple[int, int]] = []  # (depth, mask of workers whose GPU run ends there)
         keep = m.tiered  # only tiered models need the path for the chunk scan
         path = [] if keep else None
         node = tree.root
@@ -1096,11 +1104,7 @@ class PrefixIndex:
                 nm = active & node.gpu
                 if nm != active:
                     if d:
-                        x = active ^ nm
-                        while x:
-                            low = x & -x
-                            gpu[low.bit_length() - 1] = d
-                            x ^= low
+                        stops.append((d, active ^ nm))  # these workers' GPU runs end at d
                     active = nm
                 d += 1
             else:
@@ -1108,24 +1112,21 @@ class PrefixIndex:
             break
         if d == 0:
             return None
-        while active > 0:
-            low = active & -active
-            gpu[low.bit_length() - 1] = d
-            active ^= low
+        if active > 0:
+            stops.append((d, active))
         credits = self._credit_by_tid()
         cg = credits[GPU]
         if not keep or all(nd.tiers is None for nd in path):
-            if not gpu:
+            if not stops:
                 return None
-            # Workers that share a depth share one answer tuple.
-            shared: dict[int, tuple] = {}
+            # Workers that stop at one depth share one answer tuple.
             out = {}
-            for wid, g in gpu.items():
-                r = shared.get(g)
-                if r is None:
-                    r = shared[g] = ((("GPU", g),), g, g * cg)
-                out[wid] = r
+            for g, mask in stops:
+                r = ((("GPU", g),), g, g * cg)
+                for wid in _bits(mask):
+                    out[wid] = r
             return out
+        gpu = {wid: g for g, mask in stops for wid in _bits(mask)}
         names = self._tier_names
         other = self._other_tiers(m, tree.group, path)
         out: dict[int, tuple] = {}
@@ -1285,11 +1286,21 @@ class PrefixIndex:
             }
 
 
-def _rank_key(x: WorkerMatch):
-    return (-x.score, -x.total_blocks, x.engine, x.dp_rank)
-
-
 _EMPTY: dict = {}
+
+
+def _bits(mask: int) -> list[int]:
+    """Indexes of the set bits of ``mask`` (worker ids), lowest first."""
+    if mask.bit_count() <= 8:
+        out = []
+        while mask:
+            low = mask & -mask
+            out.append(low.bit_length() - 1)
+            mask ^= low
+        return out
+    # Many bits (a shared prefix over a large fleet): scanning bin() is ~4x faster.
+    b = bin(mask)[:1:-1]
+    return [i for i, c in enumerate(b) if c == "1"]
 
 
 class _LazyKeys:

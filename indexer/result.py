@@ -7,55 +7,100 @@ from typing import NamedTuple
 __all__ = ["MatchResult", "WorkerMatch"]
 
 
-class WorkerMatch(NamedTuple):
+class WorkerMatch(tuple):
     """One worker's answer (R-Q-2): blocks per tier and group, ``total``, score, freshness.
 
     ``tiers`` and ``total_blocks`` are the headline figures: the minimum over the
     model's default groups (R-APP-10), in blocks of the headline block size.
     ``groups`` maps the group index (as a string) to that group's blocks per tier
-    and ``total_blocks``. Both dicts are built on access from compact tuples, so a
-    router that only reads ``best`` never pays for them.
+    and ``total_blocks``. Read-only.
+
+    Laid out so that plain tuple order is the ranking (R-Q-3): negated score,
+    negated total, engine id, rank; a query sorts its workers without a key
+    function and builds nothing per worker beyond this tuple. The dicts and the
+    freshness figures are made on access.
     """
 
-    engine: str
-    dp_rank: int
-    tier_items: tuple  # ((tier name, blocks), ...)
-    group_items: tuple  # ((group name, ((tier name, blocks), ...), total_blocks), ...)
-    total_blocks: int
-    total_tokens: int
-    score: float
-    stale: bool
-    stale_reason: str | None
-    last_seq: int | None
-    last_event_age_s: float | None
+    __slots__ = ()
+    # (-score, -total_blocks, engine, dp_rank, tier_items, group_items,
+    #  total_tokens, (stale, stale_reason, last_seq, last_apply), now)
+
+    @property
+    def score(self) -> float:
+        return -self[0] + 0.0  # + 0.0: no "-0.0"
+
+    @property
+    def total_blocks(self) -> int:
+        return -self[1]
+
+    @property
+    def engine(self) -> str:
+        return self[2]
+
+    @property
+    def dp_rank(self) -> int:
+        return self[3]
+
+    @property
+    def tier_items(self) -> tuple:
+        return self[4]
+
+    @property
+    def group_items(self) -> tuple:
+        return self[5]
+
+    @property
+    def total_tokens(self) -> int:
+        return self[6]
+
+    @property
+    def stale(self) -> bool:
+        return self[7][0]
+
+    @property
+    def stale_reason(self) -> str | None:
+        return self[7][1]
+
+    @property
+    def last_seq(self) -> int | None:
+        return self[7][2]
+
+    @property
+    def last_event_age_s(self) -> float | None:
+        t = self[7][3]
+        return None if t is None else self[8] - t
 
     @property
     def tiers(self) -> dict:
-        return {name: b for name, b in self.tier_items if b}
+        return {name: b for name, b in self[4] if b}
 
     @property
     def groups(self) -> dict:
         out = {}
-        for name, tiers, total in self.group_items:
+        for name, tiers, total in self[5]:
             d = {t: b for t, b in tiers if b}
             d["total_blocks"] = total
             out[name] = d
         return out
 
     def to_dict(self) -> dict:
+        stale, reason, last_seq, _ = self[7]
         return {
-            "engine": self.engine,
-            "dp_rank": self.dp_rank,
+            "engine": self[2],
+            "dp_rank": self[3],
             "tiers": self.tiers,
             "groups": self.groups,
-            "total_blocks": self.total_blocks,
-            "total_tokens": self.total_tokens,
+            "total_blocks": -self[1],
+            "total_tokens": self[6],
             "score": self.score,
-            "stale": self.stale,
-            "stale_reason": self.stale_reason,
-            "last_seq": self.last_seq,
+            "stale": stale,
+            "stale_reason": reason,
+            "last_seq": last_seq,
             "last_event_age_s": self.last_event_age_s,
         }
+
+    def __repr__(self) -> str:
+        return f"WorkerMatch({self.to_dict()!r})"
 
 
 class MatchResult(NamedTuple):
