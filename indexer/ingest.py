@@ -439,12 +439,21 @@ class Indexer:
                     if owner is None:
                         continue
                     sub, kind = owner
-                    if kind == "live":
-                        self._drain_live(sub, sock)
-                    elif kind == "replay":
-                        self._drain_replay(sub, sock)
-                    else:
-                        self._drain_monitor(sub, sock)
+                    try:
+                        if kind == "live":
+                            self._drain_live(sub, sock)
+                        elif kind == "replay":
+                            self._drain_replay(sub, sock)
+                        else:
+                            self._drain_monitor(sub, sock)
+                    except zmq.ZMQError:
+                        raise
+                    except Exception as e:
+                        # A message that trips a bug costs that message, counted
+                        # and logged, never the whole fleet's ingest.
+                        self._dropped(sub, "internal_error")
+                        log.exception("worker %s/%d: message dropped on an internal error: %r",
+                                      sub.engine, sub.rank, e)
                 self._check_timeouts()
         except Exception as e:  # a bug must not leave the thread dead silently
             self.error = f"ingest thread crashed: {e!r}"

@@ -1226,3 +1226,36 @@ def test_R_STR_soak_drops_restarts_dp_ranks_final_index_exact(rig):
     # Every restart seen, and only those (a replayed batch arriving live later is no restart).
     seen = {(r.engine, r.rank): ws[(r.engine, r.rank)]["restarts"] for r in recs}
     assert seen == {(r.engine, r.rank): r.restarts for r in recs}, (steps, drops)
+
+
+def test_R_BAD_3_an_internal_error_costs_one_message_not_the_ingest_thread():
+    """A batch that trips a bug in apply is dropped and counted ("internal_error");
+    the ingest thread lives on, the lost seq marks the worker stale, later batches apply."""
+    pub = VllmPublisher(LOCAL, None)
+    ix = Indexer([{"id": "e", "endpoint": pub.live_endpoint}])
+    orig = ix.index.apply
+    calls = {"n": 0}
+
+    def flaky(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("a bug")
+        return orig(*a, **kw)
+
+    ix.index.apply = flaky
+    try:
+        ix.start()
+        wait_until(lambda: wi(ix, "e")["connected"], msg="connected")
+        time.sleep(0.2)
+        t = toks(1, 3, BS)
+        for a in range(3):
+            pub.publish([store(t, BS, a, a + 1)])
+        wait_until(lambda: wi(ix, "e")["last_seq"] == 2, msg=lambda: f"applied: {wi(ix, 'e')}")
+        w = wi(ix, "e")
+        assert ix.running and ix.error is None
+        assert w["dropped"].get("internal_error") == 1
+        assert w["stale"] is True
+        assert ix.match(t).worker("e").tiers == {"GPU": 1}  # block 0; block 1 was lost, 2 is orphaned
+    finally:
+        ix.stop()
+        pub.close()
