@@ -68,7 +68,12 @@ def demo(out=sys.stdout) -> dict:
 
 
 def decode(path: str, out=sys.stdout) -> int:
-    data = open(path, "rb").read()
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        out.write(json.dumps({"error": f"cannot read {path}: {e.strerror}"}) + "\n")
+        return 2
     try:
         b = decode_batch(data)
     except DecodeError as e:
