@@ -148,13 +148,17 @@ def main() -> None:
     ap.add_argument("--queries", action="store_true", help="also run a query thread during ingest")
     ap.add_argument("--qps", type=float, default=2000.0, help="query rate of that thread (default 2000/s)")
     ap.add_argument("--split-cpus", action="store_true",
-                    help="indexer on CPU 0, publisher processes on CPU 1 (as if the engines ran elsewhere)")
+                    help="publisher processes pinned to CPU 1 and the indexer to CPU 0 (as if the engines ran "
+                         "elsewhere)")
+    ap.add_argument("--pin-publishers", action="store_true",
+                    help="publisher processes pinned to CPU 1, the indexer free to use both CPUs")
     args = ap.parse_args()
     if args.quick:
         args.seqs, args.runs = 200, 1
     pub_cpu = -1
     if args.split_cpus:
         os.sched_setaffinity(0, {0})
+    if args.split_cpus or args.pin_publishers:
         pub_cpu = 1
     p = wl.params_from_args(args)
     header("bench_ingest: end-to-end live ingest over loopback ZMQ", args)

@@ -177,7 +177,8 @@ class PrefixIndex:
         self._orphan_queue: deque = deque()  # (t, wg, parent_hash, entry) in arrival order
         self._orphans = 0
         self._counters: dict[str, int] = {}
-        self._events: dict[tuple[str, str], int] = {}
+        # {event type: {outcome: n}}; index 3 collects what the decoder ignored.
+        self._events: list[dict[str, int]] = [{}, {}, {}, {}]
         self._dropped: dict[str, int] = {}
         self._credits_cache: list[float] = []
 
@@ -254,31 +255,31 @@ class PrefixIndex:
                     w.gaps += 1
                     self._count("sequence_gaps")
                 w.last_seq = seq
-            for k, v in batch.issues.items():
-                self._events[("unknown", k)] = self._events.get(("unknown", k), 0) + v
+            if batch.issues:
+                unknown = self._events[3]
+                for k, v in batch.issues.items():
+                    unknown[k] = unknown.get(k, 0) + v
             if self._orphans:
                 # Expire first: an orphan past its age bound is not adopted by this batch.
                 self._expire_orphans()
-            self._apply_events(w, batch.events)
+            ev_counts = self._events
+            for ev in batch.events:
+                kind = ev.kind
+                if kind == STORED:
+                    outcome = self._on_store(w, ev)
+                elif kind == REMOVED:
+                    outcome = self._on_remove(w, ev)
+                else:
+                    outcome = self._on_clear(w)
+                c = ev_counts[kind]
+                c[outcome] = c.get(outcome, 0) + 1
             w.last_ts = batch.ts
-            w.last_apply = self._clock()
-            w.fresh = (w.stale, w.stale_reason, w.last_seq, w.last_apply)
+            w.last_apply = now = self._clock()
+            w.fresh = (w.stale, w.stale_reason, w.last_seq, now)
             w.batches += 1
-            self._count("batches_applied")
+            counters = self._counters
+            counters["batches_applied"] = counters.get("batches_applied", 0) + 1
             return "applied"
-
-    def _apply_events(self, w: _Worker, events) -> None:
-        ev_counts = self._events
-        for ev in events:
-            kind = ev.kind
-            if kind == STORED:
-                outcome = self._on_store(w, ev)
-            elif kind == REMOVED:
-                outcome = self._on_remove(w, ev)
-            else:
-                outcome = self._on_clear(w)
-            key = (_EVENT_NAMES[kind], outcome)
-            ev_counts[key] = ev_counts.get(key, 0) + 1
 
     def _tier(self, medium, ownership) -> int:
         """Tier id of an event (contract §1 Tier); -1 once ``max_tiers`` are in use."""
@@ -1269,9 +1270,11 @@ class PrefixIndex:
                 tot_nodes += nodes
                 tot_entries += m_entries
                 tot_orphans += m_orphans
-            events: dict[str, dict[str, int]] = {}
-            for (typ, outcome), c in sorted(self._events.items()):
-                events.setdefault(typ, {})[outcome] = c
+            events = {
+                name: dict(sorted(c.items()))
+                for name, c in zip(_EVENT_NAMES + ("unknown",), self._events)
+                if c
+            }
             return {
                 "nodes": tot_nodes,
                 "resident_entries": tot_entries,
