@@ -23,7 +23,6 @@ from collections import deque
 from typing import Any, Iterable, Sequence
 
 import msgspec
-import xxhash
 
 from .keys import KEY_SEED, block_keys, query_extra_keys, seeds_for_blocks, tokens_to_bytes
 from .result import MatchResult, WorkerMatch
@@ -40,7 +39,6 @@ DEFAULT_GROUP_KINDS = frozenset(
 GPU = 0  # tier id of "GPU", fixed
 
 _now = time.monotonic
-_xxh3 = xxhash.xxh3_64_intdigest
 
 
 class _WG:
@@ -55,6 +53,25 @@ class _WG:
         # tier id -> {chunk-end node: blocks in that chunk} (R-APP-5: the blocks
         # of one event form a chunk, whatever size each event has)
         self.ends: dict[int, dict] = {}
+
+    def mark_end(self, tiers: dict, tid: int, bit: int, node, nblocks: int) -> None:
+        """Record ``node`` as the last block of an ``nblocks`` chunk in tier ``tid``."""
+        tiers[-tid] = tiers.get(-tid, 0) | bit
+        ends = self.ends.get(tid)
+        if ends is None:
+            ends = self.ends[tid] = {}
+        ends[node] = nblocks
+
+    def clear_end(self, tiers: dict, tid: int, bit: int, node) -> None:
+        """Forget ``node`` as a chunk end of this worker in tier ``tid`` (if it was one)."""
+        e = tiers.get(-tid, 0)
+        if e & bit:
+            e ^= bit
+            if e:
+                tiers[-tid] = e
+            else:
+                del tiers[-tid]
+            self.ends[tid].pop(node, None)
 
 
 class _Worker:
@@ -274,11 +291,10 @@ class PrefixIndex:
                 c = ev_counts[kind]
                 c[outcome] = c.get(outcome, 0) + 1
             w.last_ts = batch.ts
-            w.last_apply = now = self._clock()
-            w.fresh = (w.stale, w.stale_reason, w.last_seq, now)
+            w.last_apply = self._clock()
+            w.refresh()
             w.batches += 1
-            counters = self._counters
-            counters["batches_applied"] = counters.get("batches_applied", 0) + 1
+            self._count("batches_applied")
             return "applied"
 
     def _tier(self, medium, ownership) -> int:
@@ -449,12 +465,7 @@ class PrefixIndex:
             parent = node
         if tid != GPU:
             # R-APP-5: the blocks of one event form a chunk; mark its last block.
-            tiers = parent.tiers
-            tiers[-tid] = tiers.get(-tid, 0) | bit
-            ends = wg.ends.get(tid)
-            if ends is None:
-                ends = wg.ends[tid] = {}
-            ends[parent] = len(hashes)
+            wg.mark_end(parent.tiers, tid, bit, parent, len(hashes))
             self._models[w.model].tiered = True
         wg.res[tid] += new
         return "applied" if new == len(hashes) else "applied_with_duplicates"
@@ -525,11 +536,7 @@ class PrefixIndex:
                 # one block it is credited only where the engine would load it too
                 # (the GPU prefix reaches the block before it): never over-credit.
                 if not tiers.get(-tid, 0) & bit:
-                    tiers[-tid] = tiers.get(-tid, 0) | bit
-                    ends = wg.ends.get(tid)
-                    if ends is None:
-                        ends = wg.ends[tid] = {}
-                    ends[node] = 1
+                    wg.mark_end(tiers, tid, bit, node, 1)
         wg.res[tid] += new
         if hit == 0:
             return "placeholder_ignored"
@@ -654,14 +661,7 @@ class PrefixIndex:
                 tiers[tid] = m
             else:
                 del tiers[tid]
-            e = tiers.get(-tid, 0)
-            if e & bit:
-                e ^= bit
-                if e:
-                    tiers[-tid] = e
-                else:
-                    del tiers[-tid]
-                wg.ends[tid].pop(node, None)
+            wg.clear_end(tiers, tid, bit, node)
             if not tiers:
                 node.tiers = None
         wg.res[tid] -= 1
@@ -728,14 +728,7 @@ class PrefixIndex:
                         tiers[t] = m
                     else:
                         del tiers[t]
-                    e = tiers.get(-t, 0)
-                    if e & bit:
-                        e ^= bit
-                        if e:
-                            tiers[-t] = e
-                        else:
-                            del tiers[-t]
-                        wg.ends[t].pop(node, None)
+                    wg.clear_end(tiers, t, bit, node)
             if not tiers:
                 node.tiers = None
         d = node.dup
@@ -835,12 +828,6 @@ class PrefixIndex:
         """Make a worker known before its first event (so freshness can report it)."""
         with self._lock:
             self._worker(engine, dp_rank, model)
-
-    def last_batch_ts(self, engine: str, dp_rank: int = 0) -> float | None:
-        """Timestamp (the batch's ``ts``) of the worker's last applied batch."""
-        with self._lock:
-            w = self._workers.get((engine, dp_rank))
-            return None if w is None else w.last_ts
 
     def mark_stale(self, engine: str, dp_rank: int = 0, reason: str = "stale") -> None:
         """Mark a worker stale with ``reason``; its index is kept and answers say so."""
@@ -1311,11 +1298,11 @@ class _LazyKeys:
     walk asks for them: a prompt that misses early hashes a few blocks, not all.
     Computed chunks are kept for the next group with the same block size."""
 
-    __slots__ = ("buf", "step", "seed", "n", "done", "i")
+    __slots__ = ("buf", "block_size", "seed", "n", "done", "i")
 
     def __init__(self, buf: bytes, block_size: int, seed, n: int) -> None:
         self.buf = buf
-        self.step = block_size * 4
+        self.block_size = block_size
         self.seed = seed
         self.n = n
         self.done: list[list[int]] = []
@@ -1324,16 +1311,11 @@ class _LazyKeys:
     def chunks(self):
         if self.done:
             yield from self.done
-        buf, step, seed, n = self.buf, self.step, self.seed, self.n
         i = self.i
         size = 8 << (3 * len(self.done))
-        plain = seed.__class__ is int
-        while i < n:
-            j = i + size if i + size < n else n
-            if plain:
-                c = [_xxh3(buf[b : b + step], seed) for b in range(i * step, j * step, step)]
-            else:
-                c = [_xxh3(buf[b * step : (b + 1) * step], seed[b]) for b in range(i, j)]
+        while i < self.n:
+            j = min(self.n, i + size)
+            c = block_keys(self.buf, self.block_size, self.seed, j, i)
             self.done.append(c)
             self.i = i = j
             size <<= 3

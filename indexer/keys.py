@@ -133,23 +133,25 @@ def block_keys(
     block_size: int,
     seed: int | Sequence[int] = KEY_SEED,
     limit: int | None = None,
+    start: int = 0,
 ) -> list[int]:
-    """Block keys of every full block of ``token_ids`` (a trailing partial block is ignored).
+    """Block keys of the full blocks ``start`` .. ``limit`` (default: all) of ``token_ids``.
 
-    ``token_ids`` may already be little-endian uint32 bytes. ``seed`` is one seed
-    for all blocks or one per block (see :func:`seeds_for_blocks`).
+    A trailing partial block is ignored. ``token_ids`` may already be
+    little-endian uint32 bytes. ``seed`` is one seed for all blocks or one per
+    block, indexed from block 0 (see :func:`seeds_for_blocks`).
     """
     buf = token_ids if isinstance(token_ids, (bytes, bytearray)) else tokens_to_bytes(token_ids)
     step = block_size * 4
     n = len(buf) // step
     if limit is not None and limit < n:
         n = limit
-    if n <= 0:
+    if n <= start:
         return []
     if isinstance(seed, int):
         # Slicing bytes (a 64-byte copy) beats a memoryview slice object here.
-        return [_xxh3(buf[i : i + step], seed) for i in range(0, n * step, step)]
-    return [_xxh3(buf[j * step : (j + 1) * step], seed[j]) for j in range(n)]
+        return [_xxh3(buf[i : i + step], seed) for i in range(start * step, n * step, step)]
+    return [_xxh3(buf[j * step : (j + 1) * step], seed[j]) for j in range(start, n)]
 
 
 def query_extra_keys(

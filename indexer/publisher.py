@@ -23,6 +23,7 @@ socket, still buffered for replay, like a PUB high-water-mark loss), ``restart()
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import Iterable
 
@@ -133,8 +134,6 @@ class VllmPublisher:
 
         Returns the batch's sequence number.
         """
-        import time
-
         payload = encode_batch(events, ts=time.time() if ts is None else ts, dp_rank=self.dp_rank,
                                version=self.version)
         return self.publish_payload(payload)
