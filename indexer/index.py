@@ -879,6 +879,14 @@ class PrefixIndex:
                 })
             return out
 
+    def model_workers(self, model: str | None = "default") -> list[tuple[str, int, bool]]:
+        """``(engine, dp_rank, stale)`` of every worker of ``model`` (cheap: no sizes).
+
+        Raises KeyError like :meth:`match` when the model is unknown."""
+        with self._lock:
+            m = self._model(model)
+            return sorted((w.engine, w.dp_rank, w.stale) for w in m.workers.values())
+
     def models(self) -> list[str]:
         with self._lock:
             return sorted(self._models)
@@ -957,6 +965,8 @@ class PrefixIndex:
         if model is None:
             if len(self._models) == 1:
                 return next(iter(self._models.values()))
+            if not self._models:
+                raise KeyError("no model is indexed yet")
             raise KeyError("model is required when several models are indexed")
         m = self._models.get(model)
         if m is None:
@@ -1207,6 +1217,11 @@ class PrefixIndex:
         """One counter of ``stats()["counters"]`` (e.g. ``"batches_applied"``), cheaply:
         no lock and no copy, for pollers that must not slow ingest down."""
         return self._counters.get(name, 0)
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to one of ``stats()["counters"]`` (for the transport's own events)."""
+        with self._lock:
+            self._count(name, n)
 
     def count_dropped(self, engine: str, dp_rank: int | None, reason: str) -> None:
         """Count a message the transport dropped before decoding (R-DEC-3)."""

@@ -72,7 +72,12 @@ def check_endpoint(endpoint: str, what: str) -> None:
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One vLLM engine (contract §1): its DP rank ``r`` publishes on the ports plus ``r``."""
+    """One vLLM engine (contract §1): its DP rank ``r`` publishes on the ports plus ``r``.
+
+    ``dp_rank_start`` lets one config cover ranks ``start .. start+dp_size-1`` only, the
+    first of them on ``endpoint`` itself (Dynamo registers each DP rank with its own
+    endpoint); configs of one id may then cover disjoint rank ranges.
+    """
 
     id: str
     endpoint: str
@@ -80,12 +85,19 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replay_endpoint: str | None = None
     topic: str = ""
     dp_size: int = 1
+    dp_rank_start: int = 0
+
+    @property
+    def ranks(self) -> range:
+        return range(self.dp_rank_start, self.dp_rank_start + self.dp_size)
 
     def __post_init__(self) -> None:
         if not self.id:
             raise ValueError("engine id must not be empty")
         if not 1 <= self.dp_size <= 1024:
             raise ValueError(f"engine {self.id}: dp_size must be 1..1024, got {self.dp_size}")
+        if not 0 <= self.dp_rank_start <= 1023:
+            raise ValueError(f"engine {self.id}: dp_rank_start must be 0..1023, got {self.dp_rank_start}")
         # Every DP rank's ports (base + rank) must be valid too.
         for r in (0, self.dp_size - 1):
             check_endpoint(offset_endpoint(self.endpoint, r), f"engine {self.id} endpoint")
@@ -107,8 +119,9 @@ class _Sub:
         self.engine = cfg.id
         self.rank = rank
         self.model = cfg.model
-        self.endpoint = offset_endpoint(cfg.endpoint, rank)
-        self.replay_endpoint = offset_endpoint(cfg.replay_endpoint, rank) if cfg.replay_endpoint else None
+        off = rank - cfg.dp_rank_start
+        self.endpoint = offset_endpoint(cfg.endpoint, off)
+        self.replay_endpoint = offset_endpoint(cfg.replay_endpoint, off) if cfg.replay_endpoint else None
         self.topic = cfg.topic.encode()
         self.sock = self.mon = self.dealer = None
         self.connected = False
@@ -166,7 +179,7 @@ class Indexer:
         self.reconnect_ivl_ms = int(reconnect_ivl_ms)
         self.reconnect_ivl_max_ms = int(reconnect_ivl_max_ms)
         self._ctx = context or zmq.Context.instance()
-        self._engines: dict[str, EngineConfig] = {}
+        self._engines: dict[tuple[str, int], EngineConfig] = {}  # (id, dp_rank_start)
         self._subs: dict[tuple[str, int], _Sub] = {}
         self._cmds: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -242,9 +255,10 @@ class Indexer:
         cfg = _as_config(engine if engine is not None else fields)
         return self._call("add", cfg)
 
-    def remove_engine(self, engine_id: str) -> bool:
-        """Unsubscribe from an engine and drop all its workers' residency (R-STR-6)."""
-        return self._call("remove", engine_id)
+    def remove_engine(self, engine_id: str, dp_rank: int | None = None) -> bool:
+        """Unsubscribe from an engine and drop its workers' residency (R-STR-6): all of
+        them, or only the config covering ``dp_rank``. Returns False when unknown."""
+        return self._call("remove", (engine_id, dp_rank))
 
     def resync(self, engine_id: str) -> None:
         """Drop an engine's state and replay each worker from seq 0 (recovers stale workers
@@ -324,13 +338,15 @@ class Indexer:
         return None
 
     def _add(self, cfg: EngineConfig) -> EngineConfig:
-        old = self._engines.get(cfg.id)
-        if old is not None:
+        for (eid, _), old in self._engines.items():
+            if eid != cfg.id:
+                continue
             if old == cfg:
                 return old
-            raise ValueError(f"engine {cfg.id!r} is already registered with another configuration")
-        self._engines[cfg.id] = cfg
-        for r in range(cfg.dp_size):
+            if old.model != cfg.model or set(old.ranks) & set(cfg.ranks):
+                raise ValueError(f"engine {cfg.id!r} is already registered with another configuration")
+        self._engines[(cfg.id, cfg.dp_rank_start)] = cfg
+        for r in cfg.ranks:
             sub = _Sub(cfg, r)
             self._subs[(cfg.id, r)] = sub
             self.index.register_worker(cfg.id, r, model=cfg.model)
@@ -338,16 +354,19 @@ class Indexer:
                 self._open(sub)
         return cfg
 
-    def _remove(self, engine_id: str) -> bool:
-        cfg = self._engines.pop(engine_id, None)
-        if cfg is None:
+    def _remove(self, arg: tuple[str, int | None]) -> bool:
+        engine_id, dp_rank = arg
+        gone = [k for k, c in self._engines.items()
+                if k[0] == engine_id and (dp_rank is None or dp_rank in c.ranks)]
+        if not gone:
             return False
-        for r in range(cfg.dp_size):
-            sub = self._subs.pop((engine_id, r), None)
-            if sub is not None:
-                self._close(sub)
-                self._replaying.discard(sub)
-        self.index.drop_engine(engine_id)
+        for k in gone:
+            for r in self._engines.pop(k).ranks:
+                sub = self._subs.pop((engine_id, r), None)
+                if sub is not None:
+                    self._close(sub)
+                    self._replaying.discard(sub)
+                self.index.drop_worker(engine_id, r)
         return True
 
     def _resync(self, engine_id: str) -> None:
@@ -672,6 +691,7 @@ class Indexer:
         if sub.replay_failed is None:
             sub.replay_failed = reason
             sub.replays_failed += 1
+            self.index.count("replays_failed")
         sub.full_history = False
         self.index.mark_stale(sub.engine, sub.rank, reason)
         log.warning("worker %s/%d stale: %s", sub.engine, sub.rank, reason)
@@ -683,6 +703,7 @@ class Indexer:
         ok = sub.replay_failed is None
         if sub.replaying and ok:
             sub.replays_ok += 1
+            self.index.count("replays_ok")
             if sub.full_history:
                 self.index.clear_stale(sub.engine, sub.rank)
         sub.replaying = False

@@ -1,0 +1,433 @@
+"""The FastAPI application: ``create_app(settings=None, index=None)``.
+
+Every JSON POST route is one handler ``(parsed request) -> (status, body bytes)``,
+decoded and validated by msgspec (one typed pass, in C) and encoded by msgspec. The
+hot query routes are also dispatched straight from ASGI (``Settings.fast_path``),
+skipping Starlette's routing and request objects (about 45 us a call); FastAPI still
+declares them, so ``/openapi.json`` and ``/docs`` describe every route and the same
+handler answers either way.
+
+Queries run on the event loop thread: a match takes the index lock for ~20 us, and
+the ingest thread yields between batches when a query waits (see ``PrefixIndex``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from contextlib import asynccontextmanager
+from typing import Any, Awaitable, Callable
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from indexer import PrefixIndex
+from indexer.ingest import EngineConfig, Indexer
+
+from . import dynamo, schemas
+from .metrics import Metrics
+from .settings import Settings
+
+log = logging.getLogger("kv_indexer.api")
+
+_ENC = msgspec.json.Encoder()
+_U64 = (1 << 64) - 1
+JSON = "application/json"
+
+
+class HTTPError(Exception):
+    """A client error: ``status`` and a message for ``{"detail": ...}``."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+def error_body(detail: str) -> bytes:
+    return _ENC.encode({"detail": detail})
+
+
+Handler = Callable[[Any], Awaitable[tuple[int, Any]]]
+
+
+class _Route:
+    """One JSON POST route: its request type, decoder and handler."""
+
+    __slots__ = ("path", "name", "decoder", "handler", "hot")
+
+    def __init__(self, path: str, name: str, rtype: type | None, handler: Handler, hot: bool) -> None:
+        self.path = path
+        self.name = name
+        self.decoder = msgspec.json.Decoder(rtype) if rtype is not None else None
+        self.handler = handler
+        self.hot = hot
+
+
+class Service:
+    """The state behind the routes: settings, index, ingest and metrics."""
+
+    def __init__(self, settings: Settings, index: PrefixIndex) -> None:
+        self.settings = settings
+        self.index = index
+        self.ingest = Indexer(settings.engines, index=index, replay_timeout_s=settings.replay_timeout_s)
+        self.api_errors: dict[tuple[str, int], int] = {}
+        self.metrics = Metrics(index, self.ingest, self.api_errors)
+        self.routes: dict[str, _Route] = {}
+        self.started = time.time()
+
+    # ------------------------------------------------------------- transport
+
+    async def serve_json(self, route: _Route, scope: dict, receive: Callable) -> tuple[int, bytes]:
+        """Read, decode, handle and encode one request; every failure is a counted 4xx."""
+        try:
+            body = await _read_body(scope, receive, self.settings.max_request_bytes)
+            req = route.decoder.decode(body) if route.decoder is not None else None
+            status, out = await route.handler(req)
+            return status, out if isinstance(out, bytes) else _ENC.encode(out)
+        except HTTPError as e:
+            status, detail = e.status, e.detail
+        except msgspec.ValidationError as e:
+            status, detail = 422, f"invalid request: {e}"
+        except msgspec.DecodeError as e:
+            status, detail = 400, f"request body is not valid JSON: {e}"
+        except KeyError as e:  # unknown model: the index says which
+            status, detail = 404, str(e.args[0]) if e.args else "not found"
+        except Exception:  # a bug: say so, count it, keep serving
+            log.exception("internal error in %s", route.path)
+            status, detail = 500, "internal error"
+        key = (route.path, status)
+        self.api_errors[key] = self.api_errors.get(key, 0) + 1
+        return status, error_body(detail)
+
+    def check_tokens(self, n: int) -> None:
+        if n > self.settings.max_request_tokens:
+            raise HTTPError(413, f"{n} tokens exceed the limit of {self.settings.max_request_tokens} per request")
+
+    # --------------------------------------------------------------- queries
+
+    async def match(self, q: schemas.MatchRequest):
+        self.check_tokens(len(q.token_ids))
+        t0 = time.perf_counter()
+        res = self.index.match(q.token_ids, model=q.model, lora_name=q.lora_name, cache_salt=q.cache_salt)
+        out = _ENC.encode(res.to_dict())
+        self.metrics.observe("/v1/match", time.perf_counter() - t0, res.workers[0].total_blocks if res.workers else 0)
+        return 200, out
+
+    async def match_by_keys(self, q: schemas.MatchByKeysRequest):
+        self.check_tokens(len(q.block_keys))
+        t0 = time.perf_counter()
+        res = self.index.match_by_keys(u64_keys(q.block_keys), model=q.model)
+        out = _ENC.encode(res.to_dict())
+        self.metrics.observe("/v1/match_by_keys", time.perf_counter() - t0,
+                             res.workers[0].total_blocks if res.workers else 0)
+        return 200, out
+
+    async def route(self, q: schemas.RouteRequest):
+        self.check_tokens(len(q.token_ids))
+        t0 = time.perf_counter()
+        res = self.index.match(q.token_ids, model=q.model, lora_name=q.lora_name, cache_salt=q.cache_salt)
+        known = self.index.model_workers(res.model)
+        out = rank_workers(res, known, q, self.settings.prefill_load_scale)
+        self.metrics.observe("/v1/route", time.perf_counter() - t0, res.workers[0].total_blocks if res.workers else 0)
+        return 200, out
+
+    # --------------------------------------------------------------- engines
+
+    async def add_engine(self, q: schemas.EngineRequest):
+        try:
+            cfg = EngineConfig(**msgspec.structs.asdict(q))
+        except ValueError as e:
+            raise HTTPError(422, str(e)) from None
+        for old in self.ingest.engines():
+            if old.id == cfg.id:
+                if old == cfg:
+                    return 200, engine_dict(old)
+                raise HTTPError(409, f"engine {cfg.id!r} is already registered with another configuration")
+        try:
+            await _off_loop(self.ingest.add_engine, cfg)
+        except ValueError as e:
+            raise HTTPError(409, str(e)) from None
+        return 201, engine_dict(cfg)
+
+    async def remove_engine(self, engine_id: str) -> tuple[int, Any]:
+        n = sum(c.dp_size for c in self.ingest.engines() if c.id == engine_id)
+        if not await _off_loop(self.ingest.remove_engine, engine_id):
+            raise HTTPError(404, f"unknown engine {engine_id!r}")
+        return 200, {"removed": engine_id, "workers": n}
+
+    def readiness(self) -> tuple[bool, list[str]]:
+        """Ready when ingest runs, every configured worker is connected and none replays."""
+        reasons = []
+        if not self.ingest.running:
+            reasons.append(f"ingest thread is not running ({self.ingest.error or 'not started'})")
+        for w in self.ingest.workers():
+            name = f"{w['engine']}/{w['dp_rank']}"
+            if "connected" not in w:
+                continue
+            if not w["connected"]:
+                reasons.append(f"{name}: not connected to {w['endpoint']}")
+            elif w["replaying"]:
+                reasons.append(f"{name}: replaying")
+        return not reasons, reasons
+
+
+def u64_keys(keys: list[int]) -> list[int]:
+    """Block keys as u64 (signed i64 wraps, as Dynamo sends them); 422 above 2^64-1."""
+    if max(keys, default=0) > _U64:
+        raise HTTPError(422, "invalid request: a block key exceeds 2^64-1")
+    return [k & _U64 for k in keys]
+
+
+def engine_dict(cfg: EngineConfig) -> dict:
+    return msgspec.to_builtins(cfg)
+
+
+def rank_workers(res, known: list[tuple[str, int, bool]], q: schemas.RouteRequest, load_scale: float) -> dict:
+    """The /v1/route body: every candidate with its cost, lowest cost first.
+
+    cost = load_scale * max(prefill blocks queued + prompt blocks - score, 0)
+           + decode blocks; the score is the credit-weighted cached prefix (R-Q-3,
+    stale already discounted). Ties: higher score, then engine id, then rank.
+    """
+    by_key = {(w.engine, w.dp_rank): w for w in res.workers}
+    if q.candidates is None:
+        cands = [(e, r) for e, r, _ in known]
+    else:
+        ranks: dict[str, list[int]] = {}
+        for e, r, _ in known:
+            ranks.setdefault(e, []).append(r)
+        cands = []
+        for c in q.candidates:
+            engine, slash, rank = c.rpartition("/")
+            if slash and rank.isdigit():
+                cands.append((engine, int(rank)))
+            else:
+                cands.extend((c, r) for r in ranks.get(c, [0]))
+        cands = sorted(set(cands))
+    if not cands:
+        raise HTTPError(503, f"no workers to route to for model {res.model!r}")
+    bs = res.block_size or 0
+    stale = {(e, r): s for e, r, s in known}
+    ranked = []
+    for engine, rank in cands:
+        wm = by_key.get((engine, rank))
+        score = wm.score if wm is not None else 0.0
+        name = f"{engine}/{rank}"
+        ld = q.load.get(name) or q.load.get(engine)
+        prefill = decode = 0
+        if ld is not None:
+            prefill = math.ceil(ld.active_prefill_tokens / bs) if bs else 0
+            decode = ld.active_decode_blocks
+        cost = load_scale * max(prefill + res.query_blocks - score, 0.0) + decode
+        ranked.append((cost, -score, engine, rank, name, wm, stale.get((engine, rank), False)))
+    ranked.sort(key=lambda t: t[:4])
+    best = ranked[0]
+    top_score = max(-t[1] for t in ranked)
+    if top_score <= 0:
+        reason = "no_cached_prefix_least_loaded"
+    elif -best[1] >= top_score:
+        reason = "longest_cached_prefix"
+    else:
+        reason = "load_outweighs_cached_prefix"
+    return {
+        "model": res.model,
+        "worker": best[4],
+        "engine": best[2],
+        "dp_rank": best[3],
+        "score": -best[1] + 0.0,
+        "cost": best[0],
+        "reason": reason,
+        "ranked": [
+            {"worker": name, "engine": e, "dp_rank": r, "score": -ns + 0.0,
+             "cached_blocks": wm.total_blocks if wm is not None else 0, "cost": cost, "stale": st}
+            for cost, ns, e, r, name, wm, st in ranked
+        ],
+    }
+
+
+async def _off_loop(fn, *args):
+    """Run a blocking ingest command (it waits for the ingest thread) off the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+async def _read_body(scope: dict, receive: Callable, limit: int) -> bytes:
+    """The request body, refusing more than ``limit`` bytes with 413 (R-BAD-2)
+    before reading it when Content-Length says so, else as soon as it passes."""
+    for k, v in scope["headers"]:
+        if k == b"content-length":
+            try:
+                n = int(v)
+            except ValueError:
+                raise HTTPError(400, "bad Content-Length") from None
+            if n > limit:
+                raise HTTPError(413, f"request body of {n} bytes exceeds the limit of {limit}")
+            break
+    chunks = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise HTTPError(400, "client disconnected")
+        chunk = msg.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise HTTPError(413, f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+        if not msg.get("more_body", False):
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _send(send: Callable, status: int, body: bytes, ctype: str = JSON) -> None:
+    await send({
+        "type": "http.response.start",
+        "status": status,
+        "headers": [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode())],
+    })
+    await send({"type": "http.response.body", "body": body})
+
+
+class FastPath:
+    """ASGI middleware: POSTs to a hot route go straight to its handler."""
+
+    def __init__(self, app, service: Service) -> None:
+        self.app = app
+        self.service = service
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST":
+            route = self.service.routes.get(scope["path"])
+            if route is not None and route.hot:
+                status, body = await self.service.serve_json(route, scope, receive)
+                await _send(send, status, body)
+                return
+        await self.app(scope, receive, send)
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json_responses(ok: str | None, ok_status: int = 200, errors=(400, 404, 413, 422)) -> dict:
+    out: dict = {}
+    if ok is not None:
+        out[ok_status] = {"description": "OK", "content": {JSON: {"schema": _ref(ok)}}}
+    for s in errors:
+        out[s] = {"description": "Error", "content": {JSON: {"schema": _ref("ErrorResponse")}}}
+    return out
+
+
+def create_app(settings: Settings | None = None, index: PrefixIndex | None = None) -> FastAPI:
+    """Build the app. ``settings`` default to :class:`Settings` defaults (no file or
+    environment is read here: that is the CLI's job); ``index`` defaults to a new
+    :class:`PrefixIndex` built from the settings. The ingest thread starts and stops
+    with the app's lifespan."""
+    settings = settings or Settings()
+    index = index if index is not None else PrefixIndex(**settings.index_options())
+    svc = Service(settings, index)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        svc.ingest.start()
+        log.info("kv-indexer ready: %d engine(s) configured", len(settings.engines))
+        try:
+            yield
+        finally:
+            await svc.ingest.astop()
+
+    app = FastAPI(
+        title="kv-prefix-indexer",
+        version="0.1.0",
+        summary="KV-aware routing index for vLLM fleets: which replica holds the longest prefix, in which tier.",
+        lifespan=lifespan,
+    )
+    app.state.service = svc
+
+    def json_route(path: str, rtype: type | None, handler: Handler, *, hot: bool = False,
+                   ok: str | None = None, ok_status: int = 200, errors=(400, 404, 413, 422),
+                   summary: str = "", tags=("indexer",)) -> None:
+        route = svc.routes[path] = _Route(path, path, rtype, handler, hot)
+        extra = None
+        if rtype is not None:
+            extra = {"requestBody": {"required": True, "content": {JSON: {"schema": _ref(rtype.__name__)}}}}
+
+        async def endpoint(request: Request) -> Response:
+            status, body = await svc.serve_json(route, request.scope, request.receive)
+            return Response(body, status_code=status, media_type=JSON)
+
+        app.add_api_route(path, endpoint, methods=["POST"], summary=summary, tags=list(tags),
+                          openapi_extra=extra, responses=_json_responses(ok, ok_status, errors),
+                          name=path)
+
+    json_route("/v1/match", schemas.MatchRequest, svc.match, hot=True, ok="MatchResponse",
+               summary="Longest cached prefix per worker for a prompt")
+    json_route("/v1/match_by_keys", schemas.MatchByKeysRequest, svc.match_by_keys, hot=True,
+               ok="MatchResponse", summary="The same, with precomputed block keys")
+    json_route("/v1/route", schemas.RouteRequest, svc.route, hot=True, ok="RouteResponse",
+               errors=(400, 404, 413, 422, 503), summary="Best replica for a request (cache and load)")
+    json_route("/v1/engines", schemas.EngineRequest, svc.add_engine, ok_status=201, errors=(400, 409, 413, 422),
+               summary="Register an engine (subscribe to its events)")
+
+    @app.get("/v1/engines", tags=["indexer"], summary="Configured engines")
+    async def list_engines() -> Response:
+        return Response(_ENC.encode([engine_dict(c) for c in svc.ingest.engines()]), media_type=JSON)
+
+    @app.delete("/v1/engines/{engine_id}", tags=["indexer"], summary="Unregister an engine and drop its state",
+                responses=_json_responses(None, errors=(404,)))
+    async def delete_engine(engine_id: str) -> Response:
+        try:
+            status, out = await svc.remove_engine(engine_id)
+        except HTTPError as e:
+            return Response(error_body(e.detail), status_code=e.status, media_type=JSON)
+        return Response(_ENC.encode(out), status_code=status, media_type=JSON)
+
+    @app.get("/v1/workers", tags=["indexer"], summary="Per-worker freshness, sizes and transport status")
+    async def workers() -> Response:
+        return Response(_ENC.encode(svc.ingest.workers()), media_type=JSON)
+
+    @app.get("/v1/stats", tags=["indexer"], summary="Index sizes per model, tier and group, and event counters")
+    async def stats() -> Response:
+        st = svc.index.stats()
+        st["api_errors"] = {f"{p} {s}": n for (p, s), n in sorted(svc.api_errors.items())}
+        return Response(_ENC.encode(st), media_type=JSON)
+
+    @app.get("/healthz", tags=["ops"], summary="Process alive")
+    async def healthz() -> Response:
+        return Response(b'{"status":"ok"}', media_type=JSON)
+
+    @app.get("/readyz", tags=["ops"], summary="Engines connected and none replaying (503 otherwise)",
+             responses={503: {"description": "Not ready"}})
+    async def readyz() -> Response:
+        ok, reasons = svc.readiness()
+        return Response(_ENC.encode({"ready": ok, "reasons": reasons}), status_code=200 if ok else 503,
+                        media_type=JSON)
+
+    @app.get("/metrics", tags=["ops"], summary="Prometheus metrics", include_in_schema=True)
+    async def metrics() -> Response:
+        return Response(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    dynamo.add_routes(app, svc, json_route)
+
+    schema_types = list(schemas.REQUEST_TYPES.values()) + list(schemas.RESPONSE_TYPES.values())
+    _, components = msgspec.json.schema_components(schema_types, ref_template="#/components/schemas/{name}")
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            spec = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            spec.setdefault("components", {}).setdefault("schemas", {}).update(components)
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+    if settings.fast_path:
+        app.add_middleware(FastPath, service=svc)
+    return app

@@ -1,0 +1,126 @@
+"""Prometheus metrics: a collector that reads the index's counters at scrape time
+(``PrefixIndex.stats()`` walks workers and groups, never a tree) plus the query
+histograms the app observes. Every label set is bounded: routes are fixed, models and
+tiers come from configuration or are capped by the index (``max_tiers``, ``max_groups``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+NS = "kvi"
+
+# Query latency: 10 us .. ~80 ms (a 1,024-token match is ~20 us in-process).
+_LATENCY_BUCKETS = tuple(10e-6 * 2**k for k in range(14))
+_BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+# Counters of ``stats()["counters"]`` exported one-to-one (name -> help).
+_COUNTERS = {
+    "batches_applied": "Event batches applied.",
+    "batches_duplicate": "Batches seen twice (already applied by a replay) and skipped.",
+    "sequence_gaps": "Sequence gaps seen in a worker's stream.",
+    "restarts": "Engine restarts detected (sequence went backwards).",
+    "orphans_adopted": "Stores that waited for their parent and were then applied.",
+    "removed_unknown_blocks": "Removed blocks the index did not hold.",
+    "cap_evicted_nodes": "Nodes evicted by the per-tree node cap.",
+    "stale_marked": "Times a worker was marked stale.",
+    "stale_cleared": "Times a stale worker recovered.",
+}
+
+
+class Metrics:
+    """The registry of one app: histograms observed per query, the rest read on scrape."""
+
+    def __init__(self, index: Any, ingest: Any, api_errors: dict) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.query_seconds = Histogram(
+            f"{NS}_query_duration_seconds", "Time to answer a query route, in the handler.",
+            ["route"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.matched_blocks = Histogram(
+            f"{NS}_query_matched_blocks", "Longest prefix (blocks, all tiers) of the best worker per query.",
+            ["route"], buckets=_BLOCK_BUCKETS, registry=self.registry,
+        )
+        self.registry.register(_IndexCollector(index, ingest, api_errors))
+
+    def observe(self, route: str, seconds: float, blocks: int) -> None:
+        self.query_seconds.labels(route).observe(seconds)
+        self.matched_blocks.labels(route).observe(blocks)
+
+
+class _IndexCollector:
+    def __init__(self, index: Any, ingest: Any, api_errors: dict) -> None:
+        self.index = index
+        self.ingest = ingest
+        self.api_errors = api_errors  # {(route path, status): n}, kept by the app
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        st = self.index.stats()
+        c = st["counters"]
+
+        ev = CounterMetricFamily(f"{NS}_events", "KV events by type and outcome.", labels=["event_type", "outcome"])
+        for etype, outcomes in st["events"].items():
+            for outcome, n in outcomes.items():
+                ev.add_metric([etype, outcome], n)
+        yield ev
+
+        dr = CounterMetricFamily(f"{NS}_payloads_dropped", "Messages dropped before or while decoding, by reason.",
+                                 labels=["reason"])
+        for reason, n in st["dropped_payloads"].items():
+            dr.add_metric([reason], n)
+        yield dr
+
+        for name, doc in _COUNTERS.items():
+            yield CounterMetricFamily(f"{NS}_{name}", doc, value=c.get(name, 0))
+
+        rp = CounterMetricFamily(f"{NS}_replays", "Replays from an engine's replay socket, by outcome.",
+                                 labels=["outcome"])
+        rp.add_metric(["ok"], c.get("replays_ok", 0))
+        rp.add_metric(["failed"], c.get("replays_failed", 0))
+        yield rp
+
+        od = CounterMetricFamily(f"{NS}_orphans_dropped", "Orphan stores dropped, by reason.", labels=["reason"])
+        for reason, key in (("expired", "orphan_expired"), ("overflow", "orphan_overflow"),
+                            ("parent_gone", "orphans_dropped_parent_gone"), ("bad", "orphans_dropped_bad")):
+            od.add_metric([reason], c.get(key, 0))
+        yield od
+
+        nodes = GaugeMetricFamily(f"{NS}_nodes", "Tree nodes per model and KV-cache group.", labels=["model", "group"])
+        res = GaugeMetricFamily(f"{NS}_resident_blocks", "Resident (worker, block) entries per model, tier and group.",
+                                labels=["model", "tier", "group"])
+        orph = GaugeMetricFamily(f"{NS}_orphans", "Stores waiting for their parent, per model.", labels=["model"])
+        for model, m in st["models"].items():
+            orph.add_metric([model], m["orphans"])
+            for g, gd in m["groups"].items():
+                nodes.add_metric([model, g], gd["nodes"])
+                for tier, n in gd["tiers"].items():
+                    res.add_metric([model, tier, g], n)
+        yield nodes
+        yield res
+        yield orph
+
+        states = {"connected": 0, "disconnected": 0, "replaying": 0, "stale": 0}
+        if self.ingest is not None:
+            for w in self.ingest.workers():
+                if "connected" in w:
+                    states["connected" if w["connected"] else "disconnected"] += 1
+                    states["replaying"] += bool(w["replaying"])
+        states["stale"] = st["stale_workers"]
+        ws = GaugeMetricFamily(f"{NS}_workers", "Workers by state (a worker can be in several).", labels=["state"])
+        for k, n in states.items():
+            ws.add_metric([k], n)
+        yield ws
+        yield GaugeMetricFamily(f"{NS}_stale_workers", "Workers whose answers may be out of date.",
+                                value=st["stale_workers"])
+        ae = CounterMetricFamily(f"{NS}_api_errors", "API requests answered with an error, by route and status.",
+                                 labels=["route", "status"])
+        for (route, status), n in list(self.api_errors.items()):
+            ae.add_metric([route, str(status)], n)
+        yield ae
+        yield GaugeMetricFamily(f"{NS}_workers_known", "Workers the index knows.", value=st["workers"])

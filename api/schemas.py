@@ -1,0 +1,189 @@
+"""Request and response types of the HTTP API (msgspec: one typed decode per request,
+and the same types give the OpenAPI schema, so docs and validation cannot drift)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+TokenId = Annotated[int, Meta(ge=0, le=2**32 - 1, description="a token id (uint32)")]
+# msgspec bounds stop at int64, so the u64 top is checked by the handler (check_keys).
+BlockKey = Annotated[int, Meta(ge=-(2**63), description="xxh3-64 block key (u64; a signed i64 is taken mod 2^64)")]
+Name = Annotated[str, Meta(min_length=1, max_length=256)]
+Count = Annotated[int, Meta(ge=0, le=2**53)]
+DpRank = Annotated[int, Meta(ge=0, le=1023)]
+
+
+class _Req(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class MatchRequest(_Req):
+    """Longest-prefix match of a prompt (contract R-Q-1)."""
+
+    token_ids: Annotated[list[TokenId], Meta(min_length=1)]
+    model: Name | None = None
+    lora_name: Name | None = None
+    cache_salt: str | None = None
+
+
+class MatchByKeysRequest(_Req):
+    """The same with precomputed block keys (R-KEY-2)."""
+
+    block_keys: Annotated[list[BlockKey], Meta(min_length=1)]
+    model: Name | None = None
+
+
+class WorkerLoad(_Req):
+    active_prefill_tokens: Count = 0
+    active_decode_blocks: Count = 0
+
+
+class RouteRequest(_Req):
+    """Best replica for a request: the match, plus optional load and candidates."""
+
+    token_ids: Annotated[list[TokenId], Meta(min_length=1)]
+    model: Name | None = None
+    lora_name: Name | None = None
+    cache_salt: str | None = None
+    load: dict[str, WorkerLoad] = {}
+    candidates: list[Name] | None = None
+
+
+class EngineRequest(_Req):
+    """Register an engine (contract §1)."""
+
+    id: Name
+    endpoint: Name
+    model: Name = "default"
+    replay_endpoint: Name | None = None
+    topic: Annotated[str, Meta(max_length=256)] = ""
+    dp_size: Annotated[int, Meta(ge=1, le=1024)] = 1
+
+
+# --- Dynamo standalone indexer (``python -m dynamo.indexer``) request shapes.
+
+
+class _DynReq(msgspec.Struct, frozen=True, kw_only=True):
+    # Dynamo ignores fields it does not know (e.g. the old tenant_id): so do we.
+    pass
+
+
+class DynRegister(_DynReq):
+    instance_id: Annotated[int, Meta(ge=0)]
+    endpoint: Name
+    model_name: Name
+    block_size: Annotated[int, Meta(ge=1, le=1 << 20)]
+    routing_group: Name | None = None
+    dp_rank: DpRank | None = None
+    replay_endpoint: Name | None = None
+
+
+class DynUnregister(_DynReq):
+    instance_id: Annotated[int, Meta(ge=0)]
+    model_name: Name
+    routing_group: Name | None = None
+    dp_rank: DpRank | None = None
+
+
+class DynQuery(_DynReq):
+    token_ids: list[TokenId]
+    model_name: Name
+    routing_group: Name | None = None
+    lora_name: Name | None = None
+
+
+class DynQueryByHash(_DynReq):
+    block_hashes: list[BlockKey]
+    model_name: Name
+    routing_group: Name | None = None
+
+
+# --- Response shapes (documentation; the handlers build them from the index).
+
+
+class WorkerMatchOut(msgspec.Struct):
+    engine: str
+    dp_rank: int
+    tiers: dict[str, int]
+    groups: dict[str, dict[str, int]]
+    total_blocks: int
+    total_tokens: int
+    score: float
+    stale: bool
+    stale_reason: str | None
+    last_seq: int | None
+    last_event_age_s: float | None
+
+
+class BestOut(msgspec.Struct):
+    engine: str
+    dp_rank: int
+    score: float
+
+
+class MatchResponse(msgspec.Struct):
+    model: str
+    block_size: int | None
+    query_blocks: int
+    workers: list[WorkerMatchOut]
+    best: BestOut | None
+
+
+class RankedOut(msgspec.Struct):
+    worker: str
+    engine: str
+    dp_rank: int
+    score: float
+    cached_blocks: int
+    cost: float
+    stale: bool
+
+
+class RouteResponse(msgspec.Struct):
+    model: str
+    worker: str
+    engine: str
+    dp_rank: int
+    score: float
+    cost: float
+    reason: str
+    ranked: list[RankedOut]
+
+
+class ErrorResponse(msgspec.Struct):
+    detail: str
+
+
+class DynInstance(msgspec.Struct):
+    longest_matched: int
+    gpu: int
+    dp: dict[str, int]
+    cpu: int
+    disk: int
+
+
+class DynQueryResponse(msgspec.Struct):
+    scores: dict[str, dict[str, int]]
+    frequencies: list[int]
+    instances: dict[str, DynInstance]
+
+
+REQUEST_TYPES: dict[str, Any] = {
+    "MatchRequest": MatchRequest,
+    "MatchByKeysRequest": MatchByKeysRequest,
+    "RouteRequest": RouteRequest,
+    "EngineRequest": EngineRequest,
+    "DynRegister": DynRegister,
+    "DynUnregister": DynUnregister,
+    "DynQuery": DynQuery,
+    "DynQueryByHash": DynQueryByHash,
+}
+RESPONSE_TYPES: dict[str, Any] = {
+    "MatchResponse": MatchResponse,
+    "RouteResponse": RouteResponse,
+    "ErrorResponse": ErrorResponse,
+    "DynQueryResponse": DynQueryResponse,
+}

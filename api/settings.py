@@ -1,0 +1,180 @@
+"""Service settings: defaults < YAML file < environment (``KVI_*``) < command-line flags.
+
+Read once at start (``load_settings``) and validated there, so a bad value stops the
+service with a message naming the setting, never a traceback later.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+import msgspec
+
+from indexer.ingest import EngineConfig
+
+ENV_PREFIX = "KVI_"
+
+
+class SettingsError(ValueError):
+    """A setting is missing, of the wrong type or out of range; the message says which."""
+
+
+class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Everything the service can be told. Field docs are the ``--help`` text."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    engines: tuple[EngineConfig, ...] = ()
+    # Score credit per block served from each tier (contract R-Q-3).
+    credits: dict[str, float] = msgspec.field(
+        default_factory=lambda: {"GPU": 1.0, "CPU": 0.75, "STORAGE": 0.25}
+    )
+    stale_factor: float = 0.5
+    max_orphans: int = 10_000
+    orphan_ttl_s: float = 30.0
+    # Node cap per prefix tree (one tree per model and KV-cache group); 0 = no cap.
+    max_nodes: int = 0
+    max_request_tokens: int = 1_000_000
+    max_request_bytes: int = 16 * 1024 * 1024
+    replay_timeout_s: float = 5.0
+    # /v1/route: cost = prefill_load_scale * uncached prefill blocks + decode blocks.
+    prefill_load_scale: float = 1.0
+    log_level: str = "info"
+    log_json: bool = False
+    access_log: bool = False
+    # Serve the hot query routes straight from ASGI (same handlers, ~45 us less per call).
+    fast_path: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(name: str, msg: str) -> None:
+            raise SettingsError(f"setting {name!r}: {msg}")
+
+        if not self.host:
+            bad("host", "must not be empty")
+        if not 0 <= self.port <= 65535:
+            bad("port", f"must be 0..65535, got {self.port}")
+        for name in ("max_orphans", "max_request_tokens", "max_request_bytes"):
+            if getattr(self, name) < 1:
+                bad(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.max_nodes < 0:
+            bad("max_nodes", f"must be >= 0 (0 = no cap), got {self.max_nodes}")
+        for name in ("orphan_ttl_s", "replay_timeout_s"):
+            if not getattr(self, name) > 0:
+                bad(name, f"must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.stale_factor <= 1:
+            bad("stale_factor", f"must be in [0, 1], got {self.stale_factor}")
+        if self.prefill_load_scale < 0:
+            bad("prefill_load_scale", f"must be >= 0, got {self.prefill_load_scale}")
+        for tier, c in self.credits.items():
+            if not tier or c < 0:
+                bad("credits", f"tier names must be non-empty and credits >= 0, got {tier!r}: {c}")
+        if self.log_level.lower() not in ("critical", "error", "warning", "info", "debug"):
+            bad("log_level", f"must be one of critical, error, warning, info, debug; got {self.log_level!r}")
+        seen: dict[tuple[str, int], str] = {}
+        for e in self.engines:
+            for r in e.ranks:
+                if (e.id, r) in seen:
+                    bad("engines", f"engine {e.id!r} DP rank {r} is configured twice")
+                seen[(e.id, r)] = e.model
+
+    def index_options(self) -> dict[str, Any]:
+        """Keyword arguments for :class:`indexer.PrefixIndex`."""
+        return {
+            "credits": dict(self.credits),
+            "stale_factor": self.stale_factor,
+            "max_orphans": self.max_orphans,
+            "orphan_ttl_s": self.orphan_ttl_s,
+            "max_nodes": self.max_nodes or None,
+        }
+
+
+FIELDS = Settings.__struct_fields__
+# Settings whose environment value is JSON (the rest are scalars, parsed by type).
+_JSON_FIELDS = ("engines", "credits")
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in FIELDS:
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is None:
+            continue
+        if name in _JSON_FIELDS:
+            try:
+                out[name] = json.loads(raw)
+            except ValueError as e:
+                raise SettingsError(f"{ENV_PREFIX}{name.upper()}: not valid JSON ({e})") from None
+        else:
+            out[name] = raw
+    return out
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    import yaml  # only the service reads YAML
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise SettingsError(f"config file {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise SettingsError(f"config file {path}: not valid YAML ({e})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SettingsError(f"config file {path}: expected a mapping of settings, got {type(data).__name__}")
+    return data
+
+
+def load_settings(
+    config_file: str | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Settings:
+    """Merge the sources (later wins) and validate.
+
+    ``config_file`` defaults to ``$KVI_CONFIG``; ``overrides`` are command-line values
+    (``None`` means "not given"). Raises :class:`SettingsError`.
+    """
+    env = os.environ if env is None else env
+    merged: dict[str, Any] = {}
+    path = config_file or env.get(ENV_PREFIX + "CONFIG")
+    if path:
+        merged.update(_read_file(path))
+    merged.update(_from_env(env))
+    merged.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    unknown = sorted(set(merged) - set(FIELDS))
+    if unknown:
+        raise SettingsError(f"unknown setting(s): {', '.join(unknown)} (known: {', '.join(FIELDS)})")
+    try:
+        # str_values: environment values arrive as text ("8080", "true").
+        return msgspec.convert(merged, Settings, strict=False)
+    except msgspec.ValidationError as e:
+        raise SettingsError(_settings_message(str(e))) from None
+    except ValueError as e:  # __post_init__ of Settings or of an engine
+        raise SettingsError(str(e)) from None
+
+
+def _settings_message(msg: str) -> str:
+    # msgspec says "Expected `int`, got `str` - at `$.port`": name the setting.
+    if " - at `$." in msg:
+        what, where = msg.rsplit(" - at `$.", 1)
+        return f"setting {where.rstrip('`')!r}: {what}"
+    return msg
+
+
+def parse_engine_spec(spec: str) -> dict[str, Any]:
+    """``ID=ENDPOINT[,key=value...]`` (the ``--engine`` flag) -> engine fields."""
+    head, _, rest = spec.partition(",")
+    eid, eq, endpoint = head.partition("=")
+    if not eq or not eid or not endpoint:
+        raise SettingsError(f"--engine {spec!r}: expected ID=tcp://HOST:PORT[,model=M,replay_endpoint=...,dp_size=N]")
+    out: dict[str, Any] = {"id": eid, "endpoint": endpoint}
+    for kv in filter(None, rest.split(",")):
+        k, eq, v = kv.partition("=")
+        if not eq:
+            raise SettingsError(f"--engine {spec!r}: expected key=value, got {kv!r}")
+        out[k.strip()] = v.strip()
+    return out
