@@ -13,7 +13,6 @@ the ingest thread yields between batches when a query waits (see ``PrefixIndex``
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -22,34 +21,24 @@ from typing import Any, Awaitable, Callable
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from indexer import PrefixIndex
 from indexer.ingest import EngineConfig, Indexer
 
 from . import dynamo, schemas
+from .common import ENC, JSON, HTTPError, off_loop, u64_keys
 from .metrics import Metrics
 from .settings import Settings
 
 log = logging.getLogger("kv_indexer.api")
 
-_ENC = msgspec.json.Encoder()
-_U64 = (1 << 64) - 1
-JSON = "application/json"
 
 
-class HTTPError(Exception):
-    """A client error: ``status`` and a message for ``{"detail": ...}``."""
-
-    def __init__(self, status: int, detail: str) -> None:
-        super().__init__(detail)
-        self.status = status
-        self.detail = detail
-
-
-def error_body(detail: str) -> bytes:
-    return _ENC.encode({"detail": detail})
+def error_body(detail: str, key: str = "detail") -> bytes:
+    return ENC.encode({key: detail})
 
 
 Handler = Callable[[Any], Awaitable[tuple[int, Any]]]
@@ -58,14 +47,15 @@ Handler = Callable[[Any], Awaitable[tuple[int, Any]]]
 class _Route:
     """One JSON POST route: its request type, decoder and handler."""
 
-    __slots__ = ("path", "name", "decoder", "handler", "hot")
+    __slots__ = ("path", "rtype", "decoder", "handler", "hot", "error_key")
 
-    def __init__(self, path: str, name: str, rtype: type | None, handler: Handler, hot: bool) -> None:
+    def __init__(self, path: str, rtype: type | None, handler: Handler, hot: bool, error_key: str) -> None:
         self.path = path
-        self.name = name
+        self.rtype = rtype
         self.decoder = msgspec.json.Decoder(rtype) if rtype is not None else None
         self.handler = handler
         self.hot = hot
+        self.error_key = error_key  # "detail" (ours, FastAPI's) or "error" (Dynamo's)
 
 
 class Service:
@@ -74,7 +64,8 @@ class Service:
     def __init__(self, settings: Settings, index: PrefixIndex) -> None:
         self.settings = settings
         self.index = index
-        self.ingest = Indexer(settings.engines, index=index, replay_timeout_s=settings.replay_timeout_s)
+        self.ingest = Indexer(settings.engines, index=index, replay_timeout_s=settings.replay_timeout_s,
+                              max_workers=settings.max_workers)
         self.api_errors: dict[tuple[str, int], int] = {}
         self.metrics = Metrics(index, self.ingest, self.api_errors)
         self.routes: dict[str, _Route] = {}
@@ -86,9 +77,9 @@ class Service:
         """Read, decode, handle and encode one request; every failure is a counted 4xx."""
         try:
             body = await _read_body(scope, receive, self.settings.max_request_bytes)
-            req = route.decoder.decode(body) if route.decoder is not None else None
+            req = _decode(route, body) if route.decoder is not None else None
             status, out = await route.handler(req)
-            return status, out if isinstance(out, bytes) else _ENC.encode(out)
+            return status, out if isinstance(out, bytes) else ENC.encode(out)
         except HTTPError as e:
             status, detail = e.status, e.detail
         except msgspec.ValidationError as e:
@@ -102,7 +93,7 @@ class Service:
             status, detail = 500, "internal error"
         key = (route.path, status)
         self.api_errors[key] = self.api_errors.get(key, 0) + 1
-        return status, error_body(detail)
+        return status, error_body(detail, route.error_key)
 
     def check_tokens(self, n: int) -> None:
         if n > self.settings.max_request_tokens:
@@ -114,7 +105,7 @@ class Service:
         self.check_tokens(len(q.token_ids))
         t0 = time.perf_counter()
         res = self.index.match(q.token_ids, model=q.model, lora_name=q.lora_name, cache_salt=q.cache_salt)
-        out = _ENC.encode(res.to_dict())
+        out = ENC.encode(res.to_dict())
         self.metrics.observe("/v1/match", time.perf_counter() - t0, res.workers[0].total_blocks if res.workers else 0)
         return 200, out
 
@@ -122,7 +113,7 @@ class Service:
         self.check_tokens(len(q.block_keys))
         t0 = time.perf_counter()
         res = self.index.match_by_keys(u64_keys(q.block_keys), model=q.model)
-        out = _ENC.encode(res.to_dict())
+        out = ENC.encode(res.to_dict())
         self.metrics.observe("/v1/match_by_keys", time.perf_counter() - t0,
                              res.workers[0].total_blocks if res.workers else 0)
         return 200, out
@@ -149,16 +140,19 @@ class Service:
                     return 200, engine_dict(old)
                 raise HTTPError(409, f"engine {cfg.id!r} is already registered with another configuration")
         try:
-            await _off_loop(self.ingest.add_engine, cfg)
+            await off_loop(self.ingest.add_engine, cfg)
         except ValueError as e:
             raise HTTPError(409, str(e)) from None
         return 201, engine_dict(cfg)
 
     async def remove_engine(self, engine_id: str) -> tuple[int, Any]:
         n = sum(c.dp_size for c in self.ingest.engines() if c.id == engine_id)
-        if not await _off_loop(self.ingest.remove_engine, engine_id):
+        if not await off_loop(self.ingest.remove_engine, engine_id):
             raise HTTPError(404, f"unknown engine {engine_id!r}")
         return 200, {"removed": engine_id, "workers": n}
+
+    def index_block_size(self, model: str) -> int | None:
+        return self.index.block_size(model)
 
     def readiness(self) -> tuple[bool, list[str]]:
         """Ready when ingest runs, every configured worker is connected and none replays."""
@@ -174,13 +168,6 @@ class Service:
             elif w["replaying"]:
                 reasons.append(f"{name}: replaying")
         return not reasons, reasons
-
-
-def u64_keys(keys: list[int]) -> list[int]:
-    """Block keys as u64 (signed i64 wraps, as Dynamo sends them); 422 above 2^64-1."""
-    if max(keys, default=0) > _U64:
-        raise HTTPError(422, "invalid request: a block key exceeds 2^64-1")
-    return [k & _U64 for k in keys]
 
 
 def engine_dict(cfg: EngineConfig) -> dict:
@@ -210,7 +197,7 @@ def rank_workers(res, known: list[tuple[str, int, bool]], q: schemas.RouteReques
                 cands.extend((c, r) for r in ranks.get(c, [0]))
         cands = sorted(set(cands))
     if not cands:
-        raise HTTPError(503, f"no workers to route to for model {res.model!r}")
+        raise HTTPError(404, f"no workers to route to for model {res.model!r}")
     bs = res.block_size or 0
     stale = {(e, r): s for e, r, s in known}
     ranked = []
@@ -250,9 +237,32 @@ def rank_workers(res, known: list[tuple[str, int, bool]], q: schemas.RouteReques
     }
 
 
-async def _off_loop(fn, *args):
-    """Run a blocking ingest command (it waits for the ingest thread) off the event loop."""
-    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+def _decode(route: _Route, body: bytes):
+    """One strict typed decode; on a type error, once more with integral floats (``58.0``)
+    read as the integers JSON Schema says they are. Strings are never numbers."""
+    try:
+        return route.decoder.decode(body)
+    except msgspec.ValidationError:
+        obj = msgspec.json.decode(body)
+        if not _ints_from_floats(obj):
+            raise
+        return msgspec.convert(obj, route.rtype, strict=True)
+
+
+def _ints_from_floats(obj) -> bool:
+    """Replace integral floats by ints in place, iteratively; True when any was found."""
+    found = False
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ()
+        for k, v in list(items):
+            if isinstance(v, float) and v.is_integer():
+                x[k] = int(v)
+                found = True
+            elif isinstance(v, (dict, list)):
+                stack.append(v)
+    return found
 
 
 async def _read_body(scope: dict, receive: Callable, limit: int) -> bytes:
@@ -314,12 +324,13 @@ def _ref(name: str) -> dict:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _json_responses(ok: str | None, ok_status: int = 200, errors=(400, 404, 413, 422)) -> dict:
-    out: dict = {}
+def _json_responses(ok: str | None, ok_status: int = 200, errors=(400, 404, 413, 422),
+                    error_schema: str = "ErrorResponse") -> dict:
+    out: dict = {ok_status: {"description": "OK"}}
     if ok is not None:
-        out[ok_status] = {"description": "OK", "content": {JSON: {"schema": _ref(ok)}}}
+        out[ok_status]["content"] = {JSON: {"schema": _ref(ok)}}
     for s in errors:
-        out[s] = {"description": "Error", "content": {JSON: {"schema": _ref("ErrorResponse")}}}
+        out[s] = {"description": "Error", "content": {JSON: {"schema": _ref(error_schema)}}}
     return out
 
 
@@ -351,8 +362,8 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
 
     def json_route(path: str, rtype: type | None, handler: Handler, *, hot: bool = False,
                    ok: str | None = None, ok_status: int = 200, errors=(400, 404, 413, 422),
-                   summary: str = "", tags=("indexer",)) -> None:
-        route = svc.routes[path] = _Route(path, path, rtype, handler, hot)
+                   summary: str = "", tags=("indexer",), error_key: str = "detail") -> None:
+        route = svc.routes[path] = _Route(path, rtype, handler, hot, error_key)
         extra = None
         if rtype is not None:
             extra = {"requestBody": {"required": True, "content": {JSON: {"schema": _ref(rtype.__name__)}}}}
@@ -362,7 +373,9 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
             return Response(body, status_code=status, media_type=JSON)
 
         app.add_api_route(path, endpoint, methods=["POST"], summary=summary, tags=list(tags),
-                          openapi_extra=extra, responses=_json_responses(ok, ok_status, errors),
+                          openapi_extra=extra, status_code=ok_status,
+                          responses=_json_responses(ok, ok_status, errors,
+                                                    "DynErrorResponse" if error_key == "error" else "ErrorResponse"),
                           name=path)
 
     json_route("/v1/match", schemas.MatchRequest, svc.match, hot=True, ok="MatchResponse",
@@ -370,13 +383,13 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
     json_route("/v1/match_by_keys", schemas.MatchByKeysRequest, svc.match_by_keys, hot=True,
                ok="MatchResponse", summary="The same, with precomputed block keys")
     json_route("/v1/route", schemas.RouteRequest, svc.route, hot=True, ok="RouteResponse",
-               errors=(400, 404, 413, 422, 503), summary="Best replica for a request (cache and load)")
+               summary="Best replica for a request (cache and load)")
     json_route("/v1/engines", schemas.EngineRequest, svc.add_engine, ok_status=201, errors=(400, 409, 413, 422),
                summary="Register an engine (subscribe to its events)")
 
     @app.get("/v1/engines", tags=["indexer"], summary="Configured engines")
     async def list_engines() -> Response:
-        return Response(_ENC.encode([engine_dict(c) for c in svc.ingest.engines()]), media_type=JSON)
+        return Response(ENC.encode([engine_dict(c) for c in svc.ingest.engines()]), media_type=JSON)
 
     @app.delete("/v1/engines/{engine_id}", tags=["indexer"], summary="Unregister an engine and drop its state",
                 responses=_json_responses(None, errors=(404,)))
@@ -385,17 +398,17 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
             status, out = await svc.remove_engine(engine_id)
         except HTTPError as e:
             return Response(error_body(e.detail), status_code=e.status, media_type=JSON)
-        return Response(_ENC.encode(out), status_code=status, media_type=JSON)
+        return Response(ENC.encode(out), status_code=status, media_type=JSON)
 
     @app.get("/v1/workers", tags=["indexer"], summary="Per-worker freshness, sizes and transport status")
     async def workers() -> Response:
-        return Response(_ENC.encode(svc.ingest.workers()), media_type=JSON)
+        return Response(ENC.encode(svc.ingest.workers()), media_type=JSON)
 
     @app.get("/v1/stats", tags=["indexer"], summary="Index sizes per model, tier and group, and event counters")
     async def stats() -> Response:
         st = svc.index.stats()
         st["api_errors"] = {f"{p} {s}": n for (p, s), n in sorted(svc.api_errors.items())}
-        return Response(_ENC.encode(st), media_type=JSON)
+        return Response(ENC.encode(st), media_type=JSON)
 
     @app.get("/healthz", tags=["ops"], summary="Process alive")
     async def healthz() -> Response:
@@ -405,10 +418,11 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
              responses={503: {"description": "Not ready"}})
     async def readyz() -> Response:
         ok, reasons = svc.readiness()
-        return Response(_ENC.encode({"ready": ok, "reasons": reasons}), status_code=200 if ok else 503,
+        return Response(ENC.encode({"ready": ok, "reasons": reasons}), status_code=200 if ok else 503,
                         media_type=JSON)
 
-    @app.get("/metrics", tags=["ops"], summary="Prometheus metrics", include_in_schema=True)
+    @app.get("/metrics", tags=["ops"], summary="Prometheus metrics (text format)", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
         return Response(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -416,6 +430,13 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
 
     schema_types = list(schemas.REQUEST_TYPES.values()) + list(schemas.RESPONSE_TYPES.values())
     _, components = msgspec.json.schema_components(schema_types, ref_template="#/components/schemas/{name}")
+
+    # The configured size bound (R-BAD-2) is part of the schema: larger lists get 413.
+    for name, field in (("MatchRequest", "token_ids"), ("RouteRequest", "token_ids"), ("DynQuery", "token_ids"),
+                        ("MatchByKeysRequest", "block_keys"), ("DynQueryByHash", "block_hashes")):
+        components[name]["properties"][field]["maxItems"] = settings.max_request_tokens
+        if field != "token_ids":  # msgspec bounds stop at int64; u64_keys checks the top
+            components[name]["properties"][field]["items"]["maximum"] = 2**64 - 1
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -427,6 +448,17 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            # Starlette names the methods of the first route on the path only; name all.
+            path = request.url.path
+            allowed = sorted({m for r in app.routes if getattr(r, "path_regex", None) is not None
+                              and r.path_regex.match(path) for m in (getattr(r, "methods", None) or ())})
+            headers["Allow"] = ", ".join(allowed)
+        return Response(error_body(str(exc.detail)), status_code=exc.status_code, headers=headers, media_type=JSON)
 
     if settings.fast_path:
         app.add_middleware(FastPath, service=svc)

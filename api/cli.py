@@ -28,6 +28,7 @@ _HELP = {
     "max_request_tokens": "tokens (or block keys) per query, at most; more gets 413",
     "max_request_bytes": "request body bytes, at most; more gets 413",
     "replay_timeout_s": "seconds a replay may take before the worker is marked stale",
+    "max_workers": "engine DP ranks subscribed at once, at most (each holds up to 4 sockets)",
     "prefill_load_scale": "/v1/route cost weight of uncached prefill blocks",
     "log_level": "critical, error, warning, info or debug",
     "log_json": "log one JSON object per line",

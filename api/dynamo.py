@@ -1,7 +1,211 @@
-"""NVIDIA Dynamo standalone indexer routes (``python -m dynamo.indexer``), same shapes."""
+"""NVIDIA Dynamo's standalone indexer routes (``python -m dynamo.indexer``, 1.6.1), with
+its request and response shapes, so a router written for that service works against
+ours unchanged. Shapes were recorded from the real service (``tests/data/dynamo``).
+
+Mapping: Dynamo's ``instance_id`` is our engine id (its decimal string); a
+``(model_name, routing_group)`` partition is our model ``model_name`` (routing group
+``default``) or ``model_name:routing_group``; each ``/register`` (one DP rank, its own
+endpoint, no port offset) is one engine config covering that rank.
+
+Deliberate differences: errors are always JSON ``{"error": ...}`` (Dynamo answers
+shape errors in plain text); ``block_size`` 0 is refused (422); ``medium`` strings are
+our tiers (any string is a tier, not dropped); ``cpu`` is the GPU prefix continued
+through whole resident CPU chunks (Dynamo: through any resident block), ``disk`` and
+``longest_matched`` are our ``total``.
+"""
 
 from __future__ import annotations
 
+import time
+from typing import Any
 
-def add_routes(app, svc, json_route) -> None:
-    pass
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from indexer.ingest import EngineConfig
+
+from . import schemas
+from .common import ENC, JSON, HTTPError, off_loop, u64_keys
+
+OK = b'{"status":"ok"}'
+DEFAULT_GROUP = "default"
+
+
+class Dynamo:
+    """The adapter: Dynamo's partitions and block sizes over our engines and models."""
+
+    def __init__(self, svc) -> None:
+        self.svc = svc
+        self.partitions: dict[str, tuple[str, str]] = {}  # our model -> (model_name, routing_group)
+        self.block_sizes: dict[str, int] = {}  # our model -> registered block size
+
+    @staticmethod
+    def model(model_name: str, group: str | None) -> str:
+        return model_name if group in (None, DEFAULT_GROUP) else f"{model_name}:{group}"
+
+    def partition(self, model: str) -> tuple[str, str]:
+        return self.partitions.get(model, (model, DEFAULT_GROUP))
+
+    def _configs(self, engine_id: str) -> list[EngineConfig]:
+        return [c for c in self.svc.ingest.engines() if c.id == engine_id]
+
+    # ------------------------------------------------------------------ routes
+
+    async def register(self, q: schemas.DynRegister):
+        model = self.model(q.model_name, q.routing_group)
+        eid = str(q.instance_id)
+        rank = q.dp_rank or 0
+        try:
+            cfg = EngineConfig(id=eid, endpoint=q.endpoint, model=model, replay_endpoint=q.replay_endpoint,
+                               dp_size=1, dp_rank_start=rank)
+        except ValueError as e:
+            raise HTTPError(400, str(e)) from None
+        olds = self._configs(eid)
+        for old in olds:
+            if old.model != model:
+                name, group = self.partition(old.model)
+                raise HTTPError(409, f"instance {eid} is already registered for model={name} routing_group={group}")
+        if any(rank in old.ranks for old in olds):
+            raise HTTPError(409, f"instance {eid} dp_rank {rank} already registered")
+        known = self.block_sizes.get(model) or self.svc.index_block_size(model)
+        if known is not None and known != q.block_size:
+            raise HTTPError(409, f"block_size mismatch for model={q.model_name} routing_group="
+                                   f"{q.routing_group or DEFAULT_GROUP}: existing={known}, requested={q.block_size}")
+        try:
+            await off_loop(self.svc.ingest.add_engine, cfg)
+        except ValueError as e:
+            raise HTTPError(409, str(e)) from None
+        self.partitions[model] = (q.model_name, q.routing_group or DEFAULT_GROUP)
+        self.block_sizes[model] = q.block_size
+        return 201, OK
+
+    async def unregister(self, q: schemas.DynUnregister):
+        eid = str(q.instance_id)
+        cfgs = self._configs(eid)
+        if not cfgs:
+            raise HTTPError(404, f"instance {eid} not found")
+        model = self.model(q.model_name, q.routing_group)
+        mine = [c for c in cfgs if c.model == model] if q.routing_group is not None else \
+            [c for c in cfgs if self.partition(c.model)[0] == q.model_name]
+        if not mine:
+            name, group = self.partition(cfgs[0].model)
+            raise HTTPError(404, f"instance {eid} is registered for model={name} routing_group={group}")
+        if q.routing_group is not None and q.dp_rank is not None:
+            # Dynamo honours dp_rank only with routing_group: that one listener goes.
+            if not any(q.dp_rank in c.ranks for c in mine):
+                raise HTTPError(404, f"instance {eid} dp_rank {q.dp_rank} not found")
+            await off_loop(self.svc.ingest.remove_engine, eid, q.dp_rank)
+        else:
+            await off_loop(self.svc.ingest.remove_engine, eid)
+        return 200, OK
+
+    async def query(self, q: schemas.DynQuery):
+        self.svc.check_tokens(len(q.token_ids))
+        t0 = time.perf_counter()
+        model = self._query_model(q.model_name, q.routing_group)
+        res = self.svc.index.match(q.token_ids, model=model, lora_name=q.lora_name, cache_salt=q.cache_salt)
+        out = self.answer(res)
+        self.svc.metrics.observe("/query", time.perf_counter() - t0, res.workers[0].total_blocks if res.workers else 0)
+        return 200, out
+
+    async def query_by_hash(self, q: schemas.DynQueryByHash):
+        if q.cache_salt is not None:
+            raise HTTPError(400, "cache_salt is not accepted by /query_by_hash; block_hashes must already "
+                                 "include the intended cache salt")
+        self.svc.check_tokens(len(q.block_hashes))
+        t0 = time.perf_counter()
+        model = self._query_model(q.model_name, q.routing_group)
+        res = self.svc.index.match_by_keys(u64_keys(q.block_hashes), model=model)
+        out = self.answer(res)
+        self.svc.metrics.observe("/query_by_hash", time.perf_counter() - t0,
+                                 res.workers[0].total_blocks if res.workers else 0)
+        return 200, out
+
+    def _query_model(self, model_name: str, group: str | None) -> str:
+        model = self.model(model_name, group)
+        if model not in self.svc.index.models():
+            raise HTTPError(404, f"no indexer for model={model_name} routing_group={group or DEFAULT_GROUP}")
+        return model
+
+    @staticmethod
+    def answer(res) -> dict:
+        """Dynamo's query body from a MatchResult: tokens, GPU-only ``scores``, and per
+        instance the cumulative ``gpu <= cpu <= disk = longest_matched``."""
+        bs = res.block_size or 0
+        scores: dict[str, dict[str, int]] = {}
+        inst: dict[str, dict[str, Any]] = {}
+        for w in res.workers:
+            tiers = w.tiers
+            gpu = tiers.get("GPU", 0)
+            total = w.total_blocks
+            # Our total is GPU, then CPU, then STORAGE; without STORAGE residency the CPU
+            # continuation is all of it, else the CPU prefix bounds it.
+            cpu = total if "STORAGE" not in tiers else max(gpu, min(total, tiers.get("CPU", 0)))
+            eid, dp = w.engine, str(w.dp_rank)
+            if gpu:
+                scores.setdefault(eid, {})[dp] = gpu * bs
+            i = inst.get(eid)
+            if i is None:
+                i = inst[eid] = {"longest_matched": 0, "gpu": 0, "dp": {}, "cpu": 0, "disk": 0}
+            i["dp"][dp] = gpu * bs
+            i["gpu"] = max(i["gpu"], gpu * bs)
+            i["cpu"] = max(i["cpu"], cpu * bs)
+            i["disk"] = max(i["disk"], total * bs)
+            i["longest_matched"] = i["disk"]
+        return {"scores": scores, "frequencies": [], "instances": inst}
+
+    def workers(self, model_name: str | None, group: str | None) -> list[dict]:
+        by_engine: dict[str, list[EngineConfig]] = {}
+        for c in self.svc.ingest.engines():
+            by_engine.setdefault(c.id, []).append(c)
+        subs = {(w["engine"], w["dp_rank"]): w for w in self.svc.ingest.workers()}
+        out = []
+        for eid, cfgs in sorted(by_engine.items()):
+            name, grp = self.partition(cfgs[0].model)
+            if (model_name is not None and name != model_name) or (group is not None and grp != group):
+                continue
+            endpoints, listeners = {}, {}
+            for c in cfgs:
+                for r in c.ranks:
+                    w = subs.get((eid, r), {})
+                    ep = w.get("endpoint", c.endpoint)
+                    endpoints[str(r)] = ep
+                    listeners[str(r)] = {"endpoint": ep, "status": "active" if w.get("connected") else "pending"}
+            statuses = {x["status"] for x in listeners.values()}
+            out.append({
+                "instance_id": int(eid) if eid.isdigit() else eid,
+                "source": "zmq",
+                "status": "pending" if "pending" in statuses else "active",
+                "model_name": name,
+                "routing_group": grp,
+                "block_size": self.block_sizes.get(cfgs[0].model) or self.svc.index_block_size(cfgs[0].model),
+                "endpoints": endpoints,
+                "listeners": listeners,
+            })
+        return out
+
+
+def add_routes(app: FastAPI, svc, json_route) -> None:
+    """Mount Dynamo's routes on ``app``; errors as ``{"error": ...}`` like Dynamo's own."""
+    dyn = svc.dynamo = Dynamo(svc)
+    tags = ("dynamo-compatible",)
+    json_route("/register", schemas.DynRegister, dyn.register, ok=None, ok_status=201,
+               errors=(400, 409, 413, 422), summary="Dynamo: register one worker DP rank", tags=tags, error_key="error")
+    json_route("/unregister", schemas.DynUnregister, dyn.unregister, ok=None,
+               errors=(400, 404, 413, 422), summary="Dynamo: unregister a worker", tags=tags, error_key="error")
+    json_route("/query", schemas.DynQuery, dyn.query, hot=True, ok="DynQueryResponse",
+               summary="Dynamo: overlap per instance for token ids", tags=tags, error_key="error")
+    json_route("/query_by_hash", schemas.DynQueryByHash, dyn.query_by_hash, hot=True, ok="DynQueryResponse",
+               summary="Dynamo: overlap per instance for local block hashes (i64)", tags=tags,
+               error_key="error")
+
+    @app.get("/workers", tags=list(tags), summary="Dynamo: registered workers and their listeners")
+    async def workers(request: Request) -> Response:
+        qp = request.query_params
+        return Response(ENC.encode(dyn.workers(qp.get("model_name"), qp.get("routing_group"))),
+                        media_type=JSON)
+
+    @app.get("/health", tags=list(tags), summary="Dynamo: process alive (empty 200)", response_class=Response,
+             responses={200: {"description": "alive", "content": None}})
+    async def health() -> Response:
+        return Response(b"", status_code=200)

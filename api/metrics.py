@@ -21,7 +21,8 @@ _BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 _COUNTERS = {
     "batches_applied": "Event batches applied.",
     "batches_duplicate": "Batches seen twice (already applied by a replay) and skipped.",
-    "sequence_gaps": "Sequence gaps seen in a worker's stream.",
+    "wire_gaps": "Sequence gaps seen on the wire (then repaired by replay, or the worker marked stale).",
+    "sequence_gaps": "Sequence gaps that reached the index unrepaired.",
     "restarts": "Engine restarts detected (sequence went backwards).",
     "orphans_adopted": "Stores that waited for their parent and were then applied.",
     "removed_unknown_blocks": "Removed blocks the index did not hold.",

@@ -13,6 +13,13 @@ TokenId = Annotated[int, Meta(ge=0, le=2**32 - 1, description="a token id (uint3
 BlockKey = Annotated[int, Meta(ge=-(2**63), description="xxh3-64 block key (u64; a signed i64 is taken mod 2^64)")]
 Name = Annotated[str, Meta(min_length=1, max_length=256)]
 Count = Annotated[int, Meta(ge=0, le=2**53)]
+# What a SUB/DEALER can connect to; the same rule as indexer.ingest.check_endpoint, so
+# a schema-valid endpoint is one the service accepts (ports 1-65535).
+_PORT = r"([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
+Endpoint = Annotated[str, Meta(
+    pattern=r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):" + _PORT + r"|(ipc|inproc)://.*[^/])$",
+    max_length=256, description="tcp://HOST:PORT, ipc://PATH or inproc://NAME",
+)]
 DpRank = Annotated[int, Meta(ge=0, le=1023)]
 
 
@@ -49,16 +56,16 @@ class RouteRequest(_Req):
     lora_name: Name | None = None
     cache_salt: str | None = None
     load: dict[str, WorkerLoad] = {}
-    candidates: list[Name] | None = None
+    candidates: Annotated[list[Name], Meta(min_length=1)] | None = None
 
 
 class EngineRequest(_Req):
-    """Register an engine (contract §1)."""
+    """Register an engine (contract §1). Rank r publishes on the endpoints' ports + r."""
 
     id: Name
-    endpoint: Name
+    endpoint: Endpoint
     model: Name = "default"
-    replay_endpoint: Name | None = None
+    replay_endpoint: Endpoint | None = None
     topic: Annotated[str, Meta(max_length=256)] = ""
     dp_size: Annotated[int, Meta(ge=1, le=1024)] = 1
 
@@ -73,6 +80,7 @@ class _DynReq(msgspec.Struct, frozen=True, kw_only=True):
 
 class DynRegister(_DynReq):
     instance_id: Annotated[int, Meta(ge=0)]
+    # Not pattern-checked here: Dynamo answers a bad endpoint with 400 and a message.
     endpoint: Name
     model_name: Name
     block_size: Annotated[int, Meta(ge=1, le=1 << 20)]
@@ -93,12 +101,14 @@ class DynQuery(_DynReq):
     model_name: Name
     routing_group: Name | None = None
     lora_name: Name | None = None
+    cache_salt: str | None = None
 
 
 class DynQueryByHash(_DynReq):
     block_hashes: list[BlockKey]
     model_name: Name
     routing_group: Name | None = None
+    cache_salt: str | None = None  # refused with 400, as Dynamo does: hashes carry the salt
 
 
 # --- Response shapes (documentation; the handlers build them from the index).
@@ -157,6 +167,10 @@ class ErrorResponse(msgspec.Struct):
     detail: str
 
 
+class DynErrorResponse(msgspec.Struct):
+    error: str
+
+
 class DynInstance(msgspec.Struct):
     longest_matched: int
     gpu: int
@@ -186,4 +200,5 @@ RESPONSE_TYPES: dict[str, Any] = {
     "RouteResponse": RouteResponse,
     "ErrorResponse": ErrorResponse,
     "DynQueryResponse": DynQueryResponse,
+    "DynErrorResponse": DynErrorResponse,
 }

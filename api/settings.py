@@ -39,6 +39,8 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     max_request_tokens: int = 1_000_000
     max_request_bytes: int = 16 * 1024 * 1024
     replay_timeout_s: float = 5.0
+    # Engine DP ranks subscribed at once (sockets and file descriptors grow with it).
+    max_workers: int = 2048
     # /v1/route: cost = prefill_load_scale * uncached prefill blocks + decode blocks.
     prefill_load_scale: float = 1.0
     log_level: str = "info"
@@ -55,7 +57,7 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
             bad("host", "must not be empty")
         if not 0 <= self.port <= 65535:
             bad("port", f"must be 0..65535, got {self.port}")
-        for name in ("max_orphans", "max_request_tokens", "max_request_bytes"):
+        for name in ("max_orphans", "max_request_tokens", "max_request_bytes", "max_workers"):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}")
         if self.max_nodes < 0:

@@ -157,6 +157,12 @@ class Indexer:
         abandoned (stale) rather than growing memory.
     rcvhwm:
         SUB receive high-water mark in messages (vLLM's own PUB default is 100,000).
+    max_workers:
+        Workers (engine DP ranks) subscribed at once, at most; each holds up to four
+        sockets, so this bounds sockets and file descriptors (R-BAD-3).
+    context:
+        The ZMQ context; by default one of our own, sized for ``max_workers`` (libzmq's
+        default of 1,023 sockets per context is ~250 workers).
     """
 
     def __init__(
@@ -167,6 +173,7 @@ class Indexer:
         replay_timeout_s: float = 5.0,
         max_buffered: int = 100_000,
         rcvhwm: int = 1_000_000,
+        max_workers: int = 2048,
         reconnect_ivl_ms: int = 100,
         reconnect_ivl_max_ms: int = 5_000,
         context: zmq.Context | None = None,
@@ -178,7 +185,11 @@ class Indexer:
         self.rcvhwm = int(rcvhwm)
         self.reconnect_ivl_ms = int(reconnect_ivl_ms)
         self.reconnect_ivl_max_ms = int(reconnect_ivl_max_ms)
-        self._ctx = context or zmq.Context.instance()
+        self.max_workers = int(max_workers)
+        if context is None:
+            context = zmq.Context()
+            context.set(zmq.MAX_SOCKETS, 4 * self.max_workers + 64)
+        self._ctx = context
         self._engines: dict[tuple[str, int], EngineConfig] = {}  # (id, dp_rank_start)
         self._subs: dict[tuple[str, int], _Sub] = {}
         self._cmds: queue.Queue = queue.Queue()
@@ -345,6 +356,9 @@ class Indexer:
                 return old
             if old.model != cfg.model or set(old.ranks) & set(cfg.ranks):
                 raise ValueError(f"engine {cfg.id!r} is already registered with another configuration")
+        if len(self._subs) + cfg.dp_size > self.max_workers:
+            raise ValueError(f"engine {cfg.id!r}: {cfg.dp_size} more worker(s) would exceed max_workers="
+                             f"{self.max_workers} ({len(self._subs)} subscribed)")
         self._engines[(cfg.id, cfg.dp_rank_start)] = cfg
         for r in cfg.ranks:
             sub = _Sub(cfg, r)
@@ -380,7 +394,18 @@ class Indexer:
     # -------------------------------------------------------------- sockets
 
     def _open(self, sub: _Sub) -> None:
-        s = self._ctx.socket(zmq.SUB)
+        try:
+            s = self._ctx.socket(zmq.SUB)
+        except zmq.ZMQError as e:  # out of sockets or file descriptors: say so, keep going
+            self.index.mark_stale(sub.engine, sub.rank, f"cannot open a socket for {sub.endpoint}: {e}")
+            return
+        try:
+            self._subscribe(sub, s)
+        except zmq.ZMQError as e:
+            s.close(0)
+            self.index.mark_stale(sub.engine, sub.rank, f"cannot open a socket for {sub.endpoint}: {e}")
+
+    def _subscribe(self, sub: _Sub, s) -> None:
         s.setsockopt(zmq.RCVHWM, self.rcvhwm)
         s.setsockopt(zmq.RECONNECT_IVL, self.reconnect_ivl_ms)
         s.setsockopt(zmq.RECONNECT_IVL_MAX, self.reconnect_ivl_max_ms)
@@ -405,7 +430,10 @@ class Indexer:
             self._open_dealer(sub)
 
     def _open_dealer(self, sub: _Sub) -> None:
-        d = self._ctx.socket(zmq.DEALER)
+        try:
+            d = self._ctx.socket(zmq.DEALER)
+        except zmq.ZMQError:
+            return  # as a failed connect below: gaps of this worker then make it stale
         d.setsockopt(zmq.LINGER, 0)
         d.setsockopt(zmq.RCVHWM, 0)
         d.setsockopt(zmq.RECONNECT_IVL, self.reconnect_ivl_ms)
@@ -625,6 +653,7 @@ class Indexer:
 
     def _gap(self, sub: _Sub, start: int, seq: int, payload: bytes) -> None:
         sub.gaps += 1
+        self.index.count("wire_gaps")
         self._begin_replay(sub, start, (seq, payload))
 
     def _begin_replay(self, sub: _Sub, start: int, live: tuple | None) -> None:

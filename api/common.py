@@ -1,0 +1,33 @@
+"""What the route modules share: the client-error exception, block-key checks and the
+off-loop helper for ingest commands."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+
+ENC = msgspec.json.Encoder()
+JSON = "application/json"
+_U64 = (1 << 64) - 1
+
+
+class HTTPError(Exception):
+    """A client error: ``status`` and a message for the error body."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+def u64_keys(keys: list[int]) -> list[int]:
+    """Block keys as u64 (signed i64 wraps, as Dynamo sends them); 422 above 2^64-1."""
+    if max(keys, default=0) > _U64:
+        raise HTTPError(422, "invalid request: a block key exceeds 2^64-1")
+    return [k & _U64 for k in keys]
+
+
+async def off_loop(fn, *args):
+    """Run a blocking ingest command (it waits for the ingest thread) off the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)

@@ -1,0 +1,274 @@
+"""HTTP latency and throughput of the running service (``kv-indexer serve``).
+
+What is measured:
+
+* a real ``kv-indexer serve`` process (uvicorn, one worker, pinned to ``--cpu``) fed
+  over real ZMQ by one ``VllmPublisher`` per engine with the anchor workload
+  (``workload.py``: ``--workers`` engines x ``--seqs`` sequences, plus two 512-block
+  sequences per engine so 8,192-token prompts hit in full), engines registered over
+  ``POST /v1/engines``;
+* latency: one keep-alive ``http.client`` connection (the client pinned to the other
+  CPU), ``--calls`` calls after ``--warmup``, ``POST /v1/match`` with 1,024 and 8,192
+  tokens (a prompt every engine holds whole: the most work per answer), median and
+  p99 of the round trip, and the handler's own time from ``/metrics``;
+* throughput: ``--clients`` processes, each with its own keep-alive connection,
+  for ``--seconds``: requests per second of 1,024-token ``/v1/match`` in total;
+* the alternatives: the same server with the ASGI fast path (default) and with plain
+  FastAPI routing (``KVI_FAST_PATH=false``);
+* ``--peer``: NVIDIA Dynamo's standalone indexer (``python -m dynamo.indexer`` from
+  ``.venv-dynamo``) subscribed to the same publishers, ``POST /query`` with the same
+  prompts through the same client, and the ratio.
+
+Target: 1,024-token ``/v1/match`` median <= 250 us.
+
+    .venv/bin/python benchmarks/bench_http.py [--quick] [--peer]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import workload as wl  # noqa: E402
+from _report import DYNAMO_PY, ROOT, header, lat_stats_us, peer_available, ratio, table  # noqa: E402
+
+from indexer.publisher import VllmPublisher  # noqa: E402
+
+TARGET_HTTP_MATCH_1K_US = 250.0
+LONG_BLOCKS = 512
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Client:
+    """A keep-alive JSON client (http.client: the cheapest Python client per call)."""
+
+    def __init__(self, port: int) -> None:
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        self.headers = {"content-type": "application/json"}
+
+    def call(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+        self.conn.request(method, path, body, self.headers)
+        r = self.conn.getresponse()
+        return r.status, r.read()
+
+    def json(self, method: str, path: str, doc=None):
+        status, body = self.call(method, path, None if doc is None else json.dumps(doc).encode())
+        return status, json.loads(body) if body else None
+
+
+def wait_http(port: int, path: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+            c.request("GET", path)
+            if c.getresponse().status < 500:
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"nothing answered on port {port}{path}")
+
+
+def start_ours(port: int, cpu: int, fast: bool) -> subprocess.Popen:
+    env = dict(os.environ, KVI_FAST_PATH="true" if fast else "false", KVI_LOG_LEVEL="warning")
+    cmd = [sys.executable, "-m", "api.cli", "serve", "--port", str(port)]
+    if cpu >= 0:
+        cmd = ["taskset", "-c", str(cpu)] + cmd
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    wait_http(port, "/healthz")
+    return p
+
+
+def start_dynamo(port: int, cpu: int) -> subprocess.Popen:
+    cmd = [str(DYNAMO_PY), "-m", "dynamo.indexer", "--port", str(port), "--threads", "1"]
+    if cpu >= 0:
+        cmd = ["taskset", "-c", str(cpu)] + cmd
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_http(port, "/health")
+    return p
+
+
+def feed(pubs, payloads, client: Client, total: int, counter_path: str, timeout: float = 300) -> float:
+    """Publish every payload and wait until the server applied them all; returns seconds."""
+    t0 = time.perf_counter()
+    for pub, pls in zip(pubs, payloads):
+        pub.publish_many(pls)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _, st = client.json("GET", counter_path)
+        if st["counters"].get("batches_applied", 0) >= total:
+            return time.perf_counter() - t0
+        time.sleep(0.2)
+    raise RuntimeError("the service did not apply every batch in time")
+
+
+def latency(client: Client, path: str, body: bytes, calls: int, warmup: int) -> dict:
+    for _ in range(warmup):
+        client.call("POST", path, body)
+    ns = []
+    pc = time.perf_counter_ns
+    for _ in range(calls):
+        t0 = pc()
+        status, _ = client.call("POST", path, body)
+        ns.append(pc() - t0)
+        if status != 200:
+            raise RuntimeError(f"{path} answered {status}")
+    return lat_stats_us(ns)
+
+
+def _throughput_client(port: int, path: str, body: bytes, seconds: float, cpu: int, q) -> None:
+    if cpu >= 0:
+        os.sched_setaffinity(0, {cpu})
+    c = Client(port)
+    c.call("POST", path, body)
+    n = 0
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        c.call("POST", path, body)
+        n += 1
+    q.put(n)
+
+
+def throughput(port: int, path: str, body: bytes, clients: int, seconds: float, cpu: int) -> float:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_throughput_client, args=(port, path, body, seconds, cpu, q)) for _ in range(clients)]
+    for p in procs:
+        p.start()
+    total = sum(q.get() for _ in procs)
+    for p in procs:
+        p.join()
+    return total / seconds
+
+
+def handler_us(client: Client, route: str) -> float | None:
+    """Mean handler time of ``route`` from the service's own histogram."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, body = client.call("GET", "/metrics")
+    s = c = None
+    for fam in text_string_to_metric_families(body.decode()):
+        if fam.name == "kvi_query_duration_seconds":
+            for smp in fam.samples:
+                if smp.labels.get("route") == route:
+                    if smp.name.endswith("_sum"):
+                        s = smp.value
+                    elif smp.name.endswith("_count"):
+                        c = smp.value
+    return None if not c else s / c * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="200 sequences per engine, 1000 calls, 2 s throughput")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192])
+    ap.add_argument("--calls", type=int, default=5000)
+    ap.add_argument("--warmup", type=int, default=500)
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--cpu", type=int, default=0, help="server CPU (clients use the other; -1 = no pinning)")
+    ap.add_argument("--no-fastapi", action="store_true", help="skip the plain-FastAPI alternative")
+    ap.add_argument("--peer", action="store_true", help="also measure Dynamo's standalone indexer")
+    wl.add_arguments(ap)
+    args = ap.parse_args()
+    if args.quick:
+        args.seqs = min(args.seqs, 200)
+        args.calls, args.warmup, args.seconds = min(args.calls, 1000), min(args.warmup, 100), min(args.seconds, 2.0)
+    header("HTTP: POST /v1/match against a running kv-indexer serve", args)
+    client_cpu = -1 if args.cpu < 0 else (args.cpu + 1) % (os.cpu_count() or 1)
+    if client_cpu >= 0:
+        os.sched_setaffinity(0, {client_cpu})
+
+    p = wl.params_from_args(args, long_blocks=LONG_BLOCKS)
+    events = wl.load_events("anchor", p)
+    payloads = wl.encode_payloads(events, p.block_size, events_per_batch=16)
+    total = sum(len(x) for x in payloads)
+    bodies = {n: json.dumps({"token_ids": wl.anchor_queries(p, n)["full"]}).encode() for n in args.lengths}
+    dyn_bodies = {n: json.dumps({"token_ids": wl.anchor_queries(p, n)["full"], "model_name": "default"}).encode()
+                  for n in args.lengths}
+    print(f"workload: {len(events)} engines, {p.seqs} sequences each, {wl.summarize(events)['resident_entries']:,} "
+          f"(worker, block) entries, {total:,} batches of 16 events\n")
+
+    modes = [("fast path", True)] + ([] if args.no_fastapi else [("FastAPI routes", False)])
+    rows, rps_rows, results = [], [], {}
+    for label, fast in modes:
+        port = free_port()
+        srv = start_ours(port, args.cpu, fast)
+        dyn = None
+        pubs = [VllmPublisher("tcp://127.0.0.1:*", hwm=0) for _ in events]
+        try:
+            c = Client(port)
+            for i, pub in enumerate(pubs):
+                st, _ = c.json("POST", "/v1/engines", {"id": wl.engine_name(i), "endpoint": pub.live_endpoint})
+                assert st == 201, st
+            dport = None
+            if args.peer and fast and peer_available():
+                dport = free_port()
+                dyn = start_dynamo(dport, args.cpu)
+                dc = Client(dport)
+                for i, pub in enumerate(pubs):
+                    st, body = dc.json("POST", "/register", {"instance_id": i, "endpoint": pub.live_endpoint,
+                                                            "model_name": "default", "block_size": p.block_size})
+                    assert st < 300, (st, body)
+            time.sleep(1.0)  # SUB sockets connect before the first batch (PUB drops otherwise)
+            secs = feed(pubs, payloads, c, total, "/v1/stats")
+            print(f"[{label}] fed {total:,} batches in {secs:.1f} s")
+            if dport is not None:
+                time.sleep(2.0)  # Dynamo has no applied counter over HTTP: give it time
+            for n in args.lengths:
+                r = latency(c, "/v1/match", bodies[n], args.calls, args.warmup)
+                h = handler_us(c, "/v1/match")
+                results[(label, n)] = r
+                row = [label, n, r["median_us"], r["p99_us"], h]
+                if dport is not None:
+                    d = latency(dc, "/query", dyn_bodies[n], args.calls, args.warmup)
+                    results[("dynamo", n)] = d
+                    rows.append(["Dynamo /query", n, d["median_us"], d["p99_us"], None])
+                rows.append(row)
+            n0 = args.lengths[0]
+            for k in args.clients:
+                rps = throughput(port, "/v1/match", bodies[n0], k, args.seconds, client_cpu)
+                rps_rows.append([label, n0, k, rps])
+                if dport is not None:
+                    drps = throughput(dport, "/query", dyn_bodies[n0], k, args.seconds, client_cpu)
+                    rps_rows.append(["Dynamo /query", n0, k, drps])
+        finally:
+            for pub in pubs:
+                pub.close()
+            srv.terminate()
+            srv.wait(10)
+            if dyn is not None:
+                dyn.terminate()
+                dyn.wait(10)
+    print()
+    print(table(["server", "tokens", "median us", "p99 us", "handler us (mean)"], rows,
+                "round trip, one keep-alive http.client connection"))
+    print()
+    print(table(["server", "tokens", "clients", "requests/s"], rps_rows,
+                f"throughput, keep-alive clients on one CPU, {args.seconds:g} s"))
+    ours = results.get(("fast path", args.lengths[0]))
+    if ours:
+        print(f"\ntarget: 1,024-token /v1/match median <= {TARGET_HTTP_MATCH_1K_US:g} us: "
+              f"{ours['median_us']:.1f} us ({'met' if ours['median_us'] <= TARGET_HTTP_MATCH_1K_US else 'MISSED'})")
+        d = results.get(("dynamo", args.lengths[0]))
+        if d:
+            print(f"Dynamo /query / ours: {ratio(d['median_us'], ours['median_us']):.2f}x median")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Helpers for the HTTP tests: a real ``kv-indexer serve`` process on 127.0.0.1, a
+keep-alive JSON client, and ``/metrics`` parsed with prometheus_client's own parser."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``kv-indexer serve`` as a child process; ``stop()`` ends it (the fixtures do)."""
+
+    def __init__(self, *args: str, env: dict | None = None) -> None:
+        self.port = free_port()
+        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"kvi-serve-{self.port}.log", "w+")
+        cmd = [sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})},
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kv-indexer serve exited {self.proc.returncode}: {self.output()}")
+            try:
+                if Client(self.port).get("/healthz")[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"kv-indexer serve did not answer: {self.output()}")
+            time.sleep(0.05)
+        self.client = Client(self.port)
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+class Client:
+    """One keep-alive connection; every call returns ``(status, parsed JSON or text)``."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+
+    def call(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+        h = {"content-type": "application/json", **(headers or {})}
+        try:
+            self.conn.request(method, path, body, h)
+            r = self.conn.getresponse()
+        except (http.client.HTTPException, ConnectionError):
+            # The server may close a connection after an error: reconnect once.
+            self.conn.close()
+            self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=20)
+            self.conn.request(method, path, body, h)
+            r = self.conn.getresponse()
+        data = r.read()
+        ctype = r.getheader("content-type") or ""
+        if ctype.startswith("application/json"):
+            return r.status, json.loads(data)
+        return r.status, data.decode("utf-8", "replace")
+
+    def get(self, path: str):
+        return self.call("GET", path)
+
+    def post(self, path: str, doc) -> tuple[int, object]:
+        return self.call("POST", path, json.dumps(doc).encode())
+
+    def delete(self, path: str):
+        return self.call("DELETE", path)
+
+    def metrics(self) -> dict:
+        """``{(sample name, frozenset(labels)): value}`` of one scrape."""
+        status, text = self.get("/metrics")
+        assert status == 200
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                out[(s.name, frozenset(s.labels.items()))] = s.value
+        return out
+
+
+def sample(m: dict, name: str, **labels) -> float:
+    """One sample of a scrape, 0 when absent (a counter that never moved)."""
+    return m.get((name, frozenset((k, str(v)) for k, v in labels.items())), 0.0)
+
+
+def wait_for(pred, timeout: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
