@@ -46,10 +46,14 @@ class Metrics:
             ["route"], buckets=_BLOCK_BUCKETS, registry=self.registry,
         )
         self.registry.register(_IndexCollector(index, ingest, api_errors))
+        self._children: dict[str, tuple] = {}
 
     def observe(self, route: str, seconds: float, blocks: int) -> None:
-        self.query_seconds.labels(route).observe(seconds)
-        self.matched_blocks.labels(route).observe(blocks)
+        c = self._children.get(route)
+        if c is None:  # label lookup once per route, not per query
+            c = self._children[route] = (self.query_seconds.labels(route), self.matched_blocks.labels(route))
+        c[0].observe(seconds)
+        c[1].observe(blocks)
 
 
 class _IndexCollector:

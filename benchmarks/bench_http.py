@@ -103,18 +103,33 @@ def start_dynamo(port: int, cpu: int) -> subprocess.Popen:
     return p
 
 
-def feed(pubs, payloads, client: Client, total: int, counter_path: str, timeout: float = 300) -> float:
-    """Publish every payload and wait until the server applied them all; returns seconds."""
+def feed(pubs, payloads, client: Client | None, total: int, counter_path: str | None,
+         timeout: float = 300, done=None) -> float:
+    """Publish every payload and wait until the server applied them all (our batch
+    counter, or ``done()`` for a server without one); returns seconds."""
     t0 = time.perf_counter()
     for pub, pls in zip(pubs, payloads):
         pub.publish_many(pls)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        _, st = client.json("GET", counter_path)
-        if st["counters"].get("batches_applied", 0) >= total:
-            return time.perf_counter() - t0
+        if done is not None:
+            if done():
+                return time.perf_counter() - t0
+        else:
+            _, st = client.json("GET", counter_path)
+            if st["counters"].get("batches_applied", 0) >= total:
+                return time.perf_counter() - t0
         time.sleep(0.2)
-    raise RuntimeError("the service did not apply every batch in time")
+    raise RuntimeError("the service did not apply every batch in time (or answers differ from ours)")
+
+
+def gpu_tokens(client: Client, path: str, body: bytes, block_size: int) -> dict:
+    """Matched GPU tokens per engine, from our /v1/match or Dynamo's /query."""
+    _, raw = client.call("POST", path, body)
+    doc = json.loads(raw)
+    if path == "/query":
+        return {wl.engine_name(int(k)): v["gpu"] for k, v in doc["instances"].items() if v["gpu"]}
+    return {w["engine"]: w["tiers"].get("GPU", 0) * block_size for w in doc["workers"] if w["tiers"].get("GPU")}
 
 
 def latency(client: Client, path: str, body: bytes, calls: int, warmup: int) -> dict:
@@ -189,8 +204,10 @@ def main() -> None:
     if args.quick:
         args.seqs = min(args.seqs, 200)
         args.calls, args.warmup, args.seconds = min(args.calls, 1000), min(args.warmup, 100), min(args.seconds, 2.0)
-    header("HTTP: POST /v1/match against a running kv-indexer serve", args)
+    header("HTTP: POST /v1/match against a running kv-indexer serve", argparse.Namespace())
     client_cpu = -1 if args.cpu < 0 else (args.cpu + 1) % (os.cpu_count() or 1)
+    print(f"# affinity: servers (ours and Dynamo's) on CPU {args.cpu}, clients on CPU {client_cpu}\n"
+          if args.cpu >= 0 else "# affinity: not pinned\n")
     if client_cpu >= 0:
         os.sched_setaffinity(0, {client_cpu})
 
@@ -204,57 +221,50 @@ def main() -> None:
     print(f"workload: {len(events)} engines, {p.seqs} sequences each, {wl.summarize(events)['resident_entries']:,} "
           f"(worker, block) entries, {total:,} batches of 16 events\n")
 
-    modes = [("fast path", True)] + ([] if args.no_fastapi else [("FastAPI routes", False)])
-    rows, rps_rows, results = [], [], {}
-    for label, fast in modes:
+    # One server at a time, alone on its CPU: an idle Dynamo process beside ours (its
+    # runtime threads wake) was seen to add ~90 us to our median, and the reverse.
+    modes = [("fast path", "ours", True)] + ([] if args.no_fastapi else [("FastAPI routes", "ours", False)])
+    if args.peer and peer_available():
+        modes.append(("Dynamo /query", "dynamo", None))
+    rows, rps_rows, results, expect = [], [], {}, {}
+    for label, kind, fast in modes:
         port = free_port()
-        srv = start_ours(port, args.cpu, fast)
-        dyn = None
+        srv = start_ours(port, args.cpu, fast) if kind == "ours" else start_dynamo(port, args.cpu)
         pubs = [VllmPublisher("tcp://127.0.0.1:*", hwm=0) for _ in events]
+        path, qbodies = ("/v1/match", bodies) if kind == "ours" else ("/query", dyn_bodies)
         try:
             c = Client(port)
             for i, pub in enumerate(pubs):
-                st, _ = c.json("POST", "/v1/engines", {"id": wl.engine_name(i), "endpoint": pub.live_endpoint})
-                assert st == 201, st
-            dport = None
-            if args.peer and fast and peer_available():
-                dport = free_port()
-                dyn = start_dynamo(dport, args.cpu)
-                dc = Client(dport)
-                for i, pub in enumerate(pubs):
-                    st, body = dc.json("POST", "/register", {"instance_id": i, "endpoint": pub.live_endpoint,
-                                                            "model_name": "default", "block_size": p.block_size})
-                    assert st < 300, (st, body)
+                if kind == "ours":
+                    st, body = c.json("POST", "/v1/engines", {"id": wl.engine_name(i), "endpoint": pub.live_endpoint})
+                else:
+                    st, body = c.json("POST", "/register", {"instance_id": i, "endpoint": pub.live_endpoint,
+                                                           "model_name": "default", "block_size": p.block_size})
+                assert st < 300, (st, body)
             time.sleep(1.0)  # SUB sockets connect before the first batch (PUB drops otherwise)
-            secs = feed(pubs, payloads, c, total, "/v1/stats")
-            print(f"[{label}] fed {total:,} batches in {secs:.1f} s")
-            if dport is not None:
-                time.sleep(2.0)  # Dynamo has no applied counter over HTTP: give it time
+            if kind == "ours":
+                secs = feed(pubs, payloads, c, total, "/v1/stats")
+                expect = {n: gpu_tokens(c, "/v1/match", bodies[n], p.block_size) for n in args.lengths}
+            else:
+                secs = feed(pubs, payloads, None, total, None,
+                            done=lambda: all(gpu_tokens(c, "/query", dyn_bodies[n], p.block_size) == expect[n]
+                                             for n in args.lengths))
+            print(f"[{label}] fed {total:,} batches in {secs:.1f} s; "
+                  + "; ".join(f"{n} tokens: {len(expect[n])} engines match up to {max(expect[n].values(), default=0)}"
+                              for n in args.lengths))
             for n in args.lengths:
-                r = latency(c, "/v1/match", bodies[n], args.calls, args.warmup)
-                h = handler_us(c, "/v1/match")
+                r = latency(c, path, qbodies[n], args.calls, args.warmup)
                 results[(label, n)] = r
-                row = [label, n, r["median_us"], r["p99_us"], h]
-                if dport is not None:
-                    d = latency(dc, "/query", dyn_bodies[n], args.calls, args.warmup)
-                    results[("dynamo", n)] = d
-                    rows.append(["Dynamo /query", n, d["median_us"], d["p99_us"], None])
-                rows.append(row)
-            n0 = args.lengths[0]
+                rows.append([label, n, r["median_us"], r["p99_us"],
+                             handler_us(c, "/v1/match") if kind == "ours" else None])
             for k in args.clients:
-                rps = throughput(port, "/v1/match", bodies[n0], k, args.seconds, client_cpu)
-                rps_rows.append([label, n0, k, rps])
-                if dport is not None:
-                    drps = throughput(dport, "/query", dyn_bodies[n0], k, args.seconds, client_cpu)
-                    rps_rows.append(["Dynamo /query", n0, k, drps])
+                rps_rows.append([label, args.lengths[0], k,
+                                 throughput(port, path, qbodies[args.lengths[0]], k, args.seconds, client_cpu)])
         finally:
             for pub in pubs:
                 pub.close()
             srv.terminate()
             srv.wait(10)
-            if dyn is not None:
-                dyn.terminate()
-                dyn.wait(10)
     print()
     print(table(["server", "tokens", "median us", "p99 us", "handler us (mean)"], rows,
                 "round trip, one keep-alive http.client connection"))
@@ -265,7 +275,7 @@ def main() -> None:
     if ours:
         print(f"\ntarget: 1,024-token /v1/match median <= {TARGET_HTTP_MATCH_1K_US:g} us: "
               f"{ours['median_us']:.1f} us ({'met' if ours['median_us'] <= TARGET_HTTP_MATCH_1K_US else 'MISSED'})")
-        d = results.get(("dynamo", args.lengths[0]))
+        d = results.get(("Dynamo /query", args.lengths[0]))
         if d:
             print(f"Dynamo /query / ours: {ratio(d['median_us'], ours['median_us']):.2f}x median")
 

@@ -60,3 +60,29 @@ def test_running_reports_the_ingest_thread():
     with ix:
         assert ix.running is True
     assert ix.running is False
+
+
+def test_a_config_may_cover_a_dp_rank_range_with_its_own_endpoint():
+    ix = Indexer([{"id": "a", "endpoint": "tcp://127.0.0.1:7000"}])
+    # Rank 1 of the same engine, on its own endpoint (no port offset from rank 0's).
+    ix.add_engine(id="a", endpoint="tcp://127.0.0.1:9100", dp_rank_start=1, dp_size=2)
+    assert [(w["dp_rank"], w["endpoint"]) for w in ix.workers()] == [
+        (0, "tcp://127.0.0.1:7000"), (1, "tcp://127.0.0.1:9100"), (2, "tcp://127.0.0.1:9101")]
+    with pytest.raises(ValueError, match="already registered"):  # overlaps rank 2
+        ix.add_engine(id="a", endpoint="tcp://127.0.0.1:9200", dp_rank_start=2)
+    with pytest.raises(ValueError, match="already registered"):  # another model
+        ix.add_engine(id="a", endpoint="tcp://127.0.0.1:9200", dp_rank_start=3, model="other")
+    assert ix.remove_engine("a", dp_rank=2) is True  # the config holding rank 2: ranks 1-2
+    assert [w["dp_rank"] for w in ix.workers()] == [0]
+    assert ix.remove_engine("a", dp_rank=5) is False
+    with pytest.raises(ValueError, match="dp_rank_start"):
+        EngineConfig(id="a", endpoint="tcp://h:1", dp_rank_start=-1)
+
+
+def test_R_BAD_3_max_workers_bounds_subscriptions():
+    ix = Indexer([{"id": "a", "endpoint": "tcp://127.0.0.1:7000", "dp_size": 3}], max_workers=4)
+    with pytest.raises(ValueError, match="max_workers=4"):
+        ix.add_engine(id="b", endpoint="tcp://127.0.0.1:8000", dp_size=2)
+    assert [w["engine"] for w in ix.workers()] == ["a", "a", "a"]
+    ix.add_engine(id="b", endpoint="tcp://127.0.0.1:8000")
+    assert len(ix.workers()) == 4
