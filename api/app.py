@@ -14,7 +14,6 @@ the ingest thread yields between batches when a query waits (see ``PrefixIndex``
 from __future__ import annotations
 
 import logging
-import math
 import time
 from contextlib import asynccontextmanager
 from typing import Any, Awaitable, Callable
@@ -27,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from indexer import PrefixIndex
 from indexer.ingest import EngineConfig, Indexer
+from indexer.route import Load, route
 
 from . import dynamo, schemas
 from .common import ENC, JSON, HTTPError, off_loop, u64_keys
@@ -122,8 +122,12 @@ class Service:
         self.check_tokens(len(q.token_ids))
         t0 = time.perf_counter()
         res = self.index.match(q.token_ids, model=q.model, lora_name=q.lora_name, cache_salt=q.cache_salt)
-        known = self.index.model_workers(res.model)
-        out = rank_workers(res, known, q, self.settings.prefill_load_scale)
+        try:
+            out = route(res, self.index.model_workers(res.model),
+                        load={k: Load(v.active_prefill_tokens, v.active_decode_blocks) for k, v in q.load.items()},
+                        candidates=q.candidates, prefill_load_scale=self.settings.prefill_load_scale)
+        except LookupError as e:
+            raise HTTPError(404, str(e)) from None
         self.metrics.observe("/v1/route", time.perf_counter() - t0, res.workers[0].total_blocks if res.workers else 0)
         return 200, out
 
@@ -172,69 +176,6 @@ class Service:
 
 def engine_dict(cfg: EngineConfig) -> dict:
     return msgspec.to_builtins(cfg)
-
-
-def rank_workers(res, known: list[tuple[str, int, bool]], q: schemas.RouteRequest, load_scale: float) -> dict:
-    """The /v1/route body: every candidate with its cost, lowest cost first.
-
-    cost = load_scale * max(prefill blocks queued + prompt blocks - score, 0)
-           + decode blocks; the score is the credit-weighted cached prefix (R-Q-3,
-    stale already discounted). Ties: higher score, then engine id, then rank.
-    """
-    by_key = {(w.engine, w.dp_rank): w for w in res.workers}
-    if q.candidates is None:
-        cands = [(e, r) for e, r, _ in known]
-    else:
-        ranks: dict[str, list[int]] = {}
-        for e, r, _ in known:
-            ranks.setdefault(e, []).append(r)
-        cands = []
-        for c in q.candidates:
-            engine, slash, rank = c.rpartition("/")
-            if slash and rank.isdigit():
-                cands.append((engine, int(rank)))
-            else:
-                cands.extend((c, r) for r in ranks.get(c, [0]))
-        cands = sorted(set(cands))
-    if not cands:
-        raise HTTPError(404, f"no workers to route to for model {res.model!r}")
-    bs = res.block_size or 0
-    stale = {(e, r): s for e, r, s in known}
-    ranked = []
-    for engine, rank in cands:
-        wm = by_key.get((engine, rank))
-        score = wm.score if wm is not None else 0.0
-        name = f"{engine}/{rank}"
-        ld = q.load.get(name) or q.load.get(engine)
-        prefill = decode = 0
-        if ld is not None:
-            prefill = math.ceil(ld.active_prefill_tokens / bs) if bs else 0
-            decode = ld.active_decode_blocks
-        cost = load_scale * max(prefill + res.query_blocks - score, 0.0) + decode
-        ranked.append((cost, -score, engine, rank, name, wm, stale.get((engine, rank), False)))
-    ranked.sort(key=lambda t: t[:4])
-    best = ranked[0]
-    top_score = max(-t[1] for t in ranked)
-    if top_score <= 0:
-        reason = "no_cached_prefix_least_loaded"
-    elif -best[1] >= top_score:
-        reason = "longest_cached_prefix"
-    else:
-        reason = "load_outweighs_cached_prefix"
-    return {
-        "model": res.model,
-        "worker": best[4],
-        "engine": best[2],
-        "dp_rank": best[3],
-        "score": -best[1] + 0.0,
-        "cost": best[0],
-        "reason": reason,
-        "ranked": [
-            {"worker": name, "engine": e, "dp_rank": r, "score": -ns + 0.0,
-             "cached_blocks": wm.total_blocks if wm is not None else 0, "cost": cost, "stale": st}
-            for cost, ns, e, r, name, wm, st in ranked
-        ],
-    }
 
 
 def _decode(route: _Route, body: bytes):

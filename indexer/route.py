@@ -1,0 +1,105 @@
+"""Best replica for a request: a match answer combined with per-worker load (R-Q-3).
+
+Read-only over a :class:`~indexer.result.MatchResult`; used by ``PrefixIndex.route``,
+the service's ``POST /v1/route`` and the fleet simulator's index policy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Mapping, NamedTuple
+
+from .result import MatchResult
+
+__all__ = ["Load", "route"]
+
+
+class Load(NamedTuple):
+    """What a worker is busy with: prefill tokens queued or running, decode blocks held."""
+
+    active_prefill_tokens: int = 0
+    active_decode_blocks: int = 0
+
+
+def route(
+    res: MatchResult,
+    known: Iterable[tuple[str, int, bool]],
+    *,
+    load: Mapping[str, Load] | None = None,
+    candidates: Iterable[str] | None = None,
+    prefill_load_scale: float = 1.0,
+) -> dict:
+    """Rank the candidates by cost, lowest first; the ``/v1/route`` body.
+
+    ``known`` is ``(engine, dp_rank, stale)`` of the model's workers
+    (``PrefixIndex.model_workers``); ``candidates`` restricts them (``"engine/rank"``,
+    or ``"engine"`` for all its known ranks; an unknown one is ranked with nothing
+    cached); ``load`` is keyed ``"engine/rank"`` or ``"engine"``. For each candidate:
+
+        cost = prefill_load_scale * max(queued prefill blocks + prompt blocks - score, 0)
+               + decode blocks
+
+    where the score is the credit-weighted cached prefix (stale already discounted).
+    Ties: higher score, then engine id, then rank.
+
+    Raises
+    ------
+    LookupError
+        When there is no candidate at all.
+    """
+    load = load or {}
+    known = list(known)
+    by_key = {(w.engine, w.dp_rank): w for w in res.workers}
+    if candidates is None:
+        cands = [(e, r) for e, r, _ in known]
+    else:
+        ranks: dict[str, list[int]] = {}
+        for e, r, _ in known:
+            ranks.setdefault(e, []).append(r)
+        cands = []
+        for c in candidates:
+            engine, slash, rank = c.rpartition("/")
+            if slash and rank.isdigit():
+                cands.append((engine, int(rank)))
+            else:
+                cands.extend((c, r) for r in ranks.get(c, [0]))
+        cands = sorted(set(cands))
+    if not cands:
+        raise LookupError(f"no workers to route to for model {res.model!r}")
+    bs = res.block_size or 0
+    stale = {(e, r): s for e, r, s in known}
+    ranked = []
+    for engine, rank in cands:
+        wm = by_key.get((engine, rank))
+        score = wm.score if wm is not None else 0.0
+        name = f"{engine}/{rank}"
+        ld = load.get(name) or load.get(engine)
+        prefill = decode = 0
+        if ld is not None:
+            prefill = math.ceil(ld[0] / bs) if bs else 0
+            decode = ld[1]
+        cost = prefill_load_scale * max(prefill + res.query_blocks - score, 0.0) + decode
+        ranked.append((cost, -score, engine, rank, name, wm, stale.get((engine, rank), False)))
+    ranked.sort(key=lambda t: t[:4])
+    best = ranked[0]
+    top_score = max(-t[1] for t in ranked)
+    if top_score <= 0:
+        reason = "no_cached_prefix_least_loaded"
+    elif -best[1] >= top_score:
+        reason = "longest_cached_prefix"
+    else:
+        reason = "load_outweighs_cached_prefix"
+    return {
+        "model": res.model,
+        "worker": best[4],
+        "engine": best[2],
+        "dp_rank": best[3],
+        "score": -best[1] + 0.0,
+        "cost": best[0],
+        "reason": reason,
+        "ranked": [
+            {"worker": name, "engine": e, "dp_rank": r, "score": -ns + 0.0,
+             "cached_blocks": wm.total_blocks if wm is not None else 0, "cost": cost, "stale": st}
+            for cost, ns, e, r, name, wm, st in ranked
+        ],
+    }
