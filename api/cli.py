@@ -34,6 +34,10 @@ _HELP = {
     "log_json": "log one JSON object per line",
     "access_log": "log every HTTP request",
     "fast_path": "serve the query routes straight from ASGI (same answers, less latency)",
+    "demo": "also run a simulated fleet replaying the Mooncake trace (its engines are added)",
+    "demo_engines": "demo: simulated engines",
+    "demo_dp_size": "demo: DP ranks per engine",
+    "demo_speedup": "demo: divide the trace's timestamps by this",
 }
 
 _EPILOG = """\
@@ -96,10 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-request-tokens", type=int, help=_HELP["max_request_tokens"])
     s.add_argument("--max-nodes", type=int, help=_HELP["max_nodes"])
     s.add_argument("--replay-timeout-s", type=float, help=_HELP["replay_timeout_s"])
+    s.add_argument("--demo", action="store_true", default=None, help=_HELP["demo"])
+    s.add_argument("--demo-speedup", type=float, help=_HELP["demo_speedup"])
     s.add_argument("--check", action="store_true", help="validate the settings, print them as JSON and exit")
     sub.add_parser("demo", help="build an index from simulated vLLM events and print what a router gets back")
     d = sub.add_parser("decode", help="decode one vLLM batch payload file and print it as JSON")
     d.add_argument("file")
+    q = sub.add_parser("demo-prompt", help="print a /v1/match body with the prompt of trace request N "
+                       "(what the demo fleet serves), e.g. | curl -d @- localhost:8080/v1/match")
+    q.add_argument("n", type=int)
+    q.add_argument("--max-tokens", type=int, default=None)
     return p
 
 
@@ -140,7 +150,51 @@ def serve(settings: Settings) -> None:
 
     from .app import create_app
 
-    app = create_app(settings)
+    import logging.config
+
+    logging.config.dictConfig(log_config(settings))
+    fleet = None
+    index = None
+    if settings.demo:
+        settings, index, fleet = start_demo(settings)
+    app = create_app(settings, index)
+    try:
+        _run(uvicorn, app, settings)
+    finally:
+        if fleet is not None:
+            fleet.close()
+
+
+def start_demo(settings: Settings):
+    """A simulated fleet on 127.0.0.1 replaying the trace (routed by this index), its
+    engines added to the settings. Returns (settings, index, fleet)."""
+    import msgspec
+
+    from indexer import PrefixIndex
+    from indexer.ingest import EngineConfig
+    from indexer.sim import TRACE, Fleet, IndexRouter, synthetic_requests, trace_requests
+
+    fleet = Fleet(settings.demo_engines, settings.demo_dp_size, gpu_blocks=4096, cpu_blocks=32768,
+                  blocks_per_chunk=16)
+    engines = settings.engines + tuple(EngineConfig(**c) for c in fleet.engine_configs())
+    settings = msgspec.structs.replace(settings, engines=engines)
+    index = PrefixIndex(**settings.index_options())
+    for c in engines:  # known before the first event, so the router can pick them
+        for r in c.ranks:
+            index.register_worker(c.id, r, model=c.model)
+    if TRACE.exists():
+        source = lambda: trace_requests(speedup=settings.demo_speedup)  # noqa: E731
+        what = f"the Mooncake trace at {settings.demo_speedup:g}x"
+    else:
+        source = lambda: synthetic_requests(10**9, rate=3.3 * settings.demo_speedup)  # noqa: E731
+        what = f"synthetic requests (no trace at {TRACE})"
+    fleet.run(source, IndexRouter(index), loop=True)
+    logging.getLogger("kv_indexer.demo").info(
+        "demo: %d simulated engines x %d DP ranks replaying %s", settings.demo_engines, settings.demo_dp_size, what)
+    return settings, index, fleet
+
+
+def _run(uvicorn, app, settings: Settings) -> None:
     uvicorn.run(
         app,
         host=settings.host,
@@ -156,6 +210,13 @@ def serve(settings: Settings) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.cmd == "demo-prompt":
+        from indexer.sim import TRACE, trace_requests
+
+        for i, req in enumerate(trace_requests(TRACE, limit=args.n + 1, max_tokens=args.max_tokens)):
+            if i == args.n:
+                print(json.dumps({"token_ids": req.tokens}))
+        return 0
     if args.cmd in ("demo", "decode"):
         from indexer.__main__ import main as core_main
 
@@ -173,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             "max_request_tokens": args.max_request_tokens,
             "max_nodes": args.max_nodes,
             "replay_timeout_s": args.replay_timeout_s,
+            "demo": args.demo,
+            "demo_speedup": args.demo_speedup,
         }
         if args.engine:
             overrides["engines"] = [parse_engine_spec(e) for e in args.engine]

@@ -48,6 +48,12 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     access_log: bool = False
     # Serve the hot query routes straight from ASGI (same handlers, ~45 us less per call).
     fast_path: bool = True
+    # The demo: a simulated fleet (engines x DP ranks, GPU + CPU tier) replaying the
+    # Mooncake trace at this speed-up, routed by the index; its engines are added.
+    demo: bool = False
+    demo_engines: int = 4
+    demo_dp_size: int = 2
+    demo_speedup: float = 10.0
 
     def __post_init__(self) -> None:
         def bad(name: str, msg: str) -> None:
@@ -67,6 +73,10 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
                 bad(name, f"must be > 0, got {getattr(self, name)}")
         if not 0 <= self.stale_factor <= 1:
             bad("stale_factor", f"must be in [0, 1], got {self.stale_factor}")
+        if not 1 <= self.demo_engines <= 64 or not 1 <= self.demo_dp_size <= 8:
+            bad("demo_engines", "demo fleets are 1-64 engines of 1-8 DP ranks")
+        if not self.demo_speedup > 0:
+            bad("demo_speedup", f"must be > 0, got {self.demo_speedup}")
         if self.prefill_load_scale < 0:
             bad("prefill_load_scale", f"must be >= 0, got {self.prefill_load_scale}")
         for tier, c in self.credits.items():

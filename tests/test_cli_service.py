@@ -123,6 +123,32 @@ def test_serve_logs_json_lines(tmp_path):
         assert s.client.get("/healthz")[0] == 200
     finally:
         s.stop()
-        out = s.output() if not s.log.closed else open(s.log.name).read()
+    with open(s.log.name) as f:
+        out = f.read()
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     assert any(x["msg"].startswith("kv-indexer ready") and x["level"] == "info" for x in lines), out
+
+
+def test_the_demo_serves_real_answers_within_seconds():
+    """`kv-indexer serve --demo`: a simulated fleet replaying the trace, routed by the
+    index, and the routes answer about it."""
+    from svc import Server, wait_for
+
+    s = Server("--demo", "--demo-speedup", "20")
+    try:
+        api = s.client
+        wait_for(lambda: len(api.get("/v1/workers")[1]) == 8 and api.get("/readyz")[0] == 200,
+                 timeout=20, what="8 demo workers connected")
+        wait_for(lambda: api.get("/v1/stats")[1]["resident_entries"] > 1000, timeout=20, what="demo blocks")
+        prompt = json.loads(run_cli("demo-prompt", "0").stdout)
+        st, res = api.post("/v1/match", prompt)
+        assert st == 200 and res["best"] is not None and res["workers"][0]["total_blocks"] >= 32
+        st, r = api.post("/v1/route", prompt)
+        assert st == 200 and r["worker"].startswith("sim-") and len(r["ranked"]) == 8
+        m = api.metrics()
+        assert m[("kvi_events_total", frozenset({("event_type", "BlockStored"), ("outcome", "applied")}))] > 0
+        assert {w["engine"] for w in api.get("/v1/workers")[1]} == {"sim-0", "sim-1", "sim-2", "sim-3"}
+    finally:
+        s.stop()
+    with open(s.log.name) as f:
+        assert "demo: 4 simulated engines x 2 DP ranks replaying the Mooncake trace at 20x" in f.read()

@@ -1,0 +1,145 @@
+"""The fleet simulator: engines behave like vLLM's caches where it matters, publish the
+events vLLM would, and the index fed by them agrees with what each engine really holds
+(in-process and over real ZMQ)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from indexer import PrefixIndex
+from indexer.ingest import Indexer
+from indexer.sim import (
+    Fleet, IndexRouter, LeastLoaded, Request, RoundRobin, SimEngine, compare_policies, engine_hashes, fleet_engines,
+    simulate, synthetic_requests, trace_requests,
+)
+from indexer.testing import Cleared, Removed, Stored
+from svc import wait_for
+
+BS = 16
+
+
+def toks(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(65536) for _ in range(n)]
+
+
+def test_gpu_cache_stores_with_parents_and_evicts_lru_leaves_first():
+    got: list = []
+    e = SimEngine("e", sink=got.append, block_size=BS, gpu_blocks=8)
+    a = toks(1, 6 * BS)
+    assert e.serve(a) == (6, 0, 0, 1)
+    (st,) = got.pop()
+    hs = engine_hashes(a, BS)
+    assert isinstance(st, Stored) and st.block_hashes == hs and st.parent_block_hash is None
+    assert st.token_ids == a and st.block_size == BS and st.medium == "GPU"
+    # The same prompt plus 2 blocks: 6 hit, the 2 new ones chained to block 5.
+    a2 = a + toks(2, 2 * BS)
+    assert e.serve(a2)[:3] == (8, 6, 0)
+    (st,) = got.pop()
+    assert st.parent_block_hash == hs[5] and st.token_ids == a2[6 * BS :]
+    # A new 3-block prompt needs room: the LRU end holds a2's leaves, evicted first.
+    b = toks(3, 3 * BS)
+    e.serve(b)
+    rem, st = got.pop()
+    assert isinstance(rem, Removed) and rem.block_hashes == engine_hashes(a2, BS)[-1:-4:-1]
+    assert e.probe(a2) == (5, 0) and e.probe(b) == (3, 0)
+    e.reset()
+    assert isinstance(got.pop()[0], Cleared) and e.probe(b) == (0, 0)
+
+
+def test_cpu_tier_offloads_aligned_self_describing_chunks_and_loads_them_back():
+    got: list = []
+    e = SimEngine("e", sink=got.append, block_size=BS, gpu_blocks=8, cpu_blocks=12, blocks_per_chunk=4)
+    a = toks(1, 6 * BS)  # 6 blocks: one whole chunk (0-3), the rest is not a chunk
+    e.serve(a)
+    gpu_store, cpu_store = got.pop()
+    hs = engine_hashes(a, BS)
+    assert cpu_store.medium == "CPU" and cpu_store.block_hashes == hs[:4] and cpu_store.parent_block_hash is None
+    assert cpu_store.token_ids == a[: 4 * BS] and cpu_store.block_size == BS
+    # Push a out of the GPU with a 8-block prompt; a's chunk stays in the CPU tier.
+    b = toks(2, 8 * BS)
+    e.serve(b)
+    assert e.probe(a) == (0, 4)
+    assert e.serve(a)[:3] == (6, 0, 4)  # 4 blocks loaded from CPU, 2 computed
+    # Hash-only CPU events when not self-describing.
+    got.clear()
+    e2 = SimEngine("e", sink=got.append, block_size=BS, gpu_blocks=8, cpu_blocks=8, blocks_per_chunk=4,
+                   self_describing=False)
+    e2.serve(a)
+    cpu_store = got.pop()[1]
+    assert cpu_store.token_ids == [] and cpu_store.block_size == 0 and cpu_store.block_hashes == hs[:4]
+
+
+def agree(index: PrefixIndex, engines: list[SimEngine], prompts: list[list[int]], model: str = "default") -> int:
+    """Assert the index reports, for every prompt and worker, exactly what the engine would
+    find (GPU prefix, and GPU + whole CPU chunks as ``total``); returns blocks checked."""
+    checked = 0
+    for p in prompts:
+        res = index.match(p, model=model)
+        for e in engines:
+            g, c = e.probe(p)
+            w = res.worker(e.engine, e.dp_rank)
+            got = (0, 0) if w is None else (w.tiers.get("GPU", 0), w.total_blocks - w.tiers.get("GPU", 0))
+            assert got == (g, c), (e.name, got, (g, c))
+            checked += g + c
+    return checked
+
+
+@pytest.mark.parametrize("version", ["0.33", "0.23"])
+def test_the_index_agrees_with_every_engine_after_a_trace_replay(version):
+    idx = PrefixIndex()
+    engines = fleet_engines(4, 2, index=idx, version=version, gpu_blocks=2048, cpu_blocks=4096, blocks_per_chunk=16)
+    reqs = list(trace_requests(limit=300, max_tokens=4096))
+    rep = simulate(reqs, engines, IndexRouter(idx))
+    assert rep.requests == 300 and rep.gpu_hit_tokens > 0 and rep.cpu_hit_tokens > 0
+    # Evictions happened in both tiers, so agreement is not just "everything is there".
+    assert idx.stats()["events"]["BlockRemoved"]["applied"] > 0
+    prompts = [r.tokens for r in reqs[::7]]
+    assert agree(idx, engines, prompts) > 1000
+
+
+def test_policies_report_hit_rates_and_the_index_wins_on_shared_prefixes():
+    reqs = list(synthetic_requests(400, prefixes=12, prefix_tokens=1024, suffix_tokens=256, rate=50))
+    reports = compare_policies(reqs, 4, gpu_blocks=300)
+    by = {r.policy: r.summary() for r in reports}
+    assert set(by) == {"round_robin", "least_loaded", "index"}
+    for s in by.values():
+        assert s["requests"] == 400 and s["prompt_tokens"] == sum(len(r.tokens) for r in reqs)
+        assert s["prefill_tokens_saved"] + s["prefill_tokens_computed"] == s["prompt_tokens"]
+        assert sum(w["requests"] for w in s["per_worker"].values()) == 400
+    # Cache-aware routing keeps each prefix on few engines: more hits than either blind policy.
+    assert by["index"]["hit_rate"] > by["round_robin"]["hit_rate"] + 0.1
+    assert by["index"]["hit_rate"] > by["least_loaded"]["hit_rate"] + 0.1
+    assert RoundRobin().choose([], ["a", "b"], {}) == "a"
+    assert LeastLoaded().choose([], ["a", "b"], {"a": (1600, 0), "b": (0, 50)}) == "b"
+
+
+def test_R_STR_the_index_agrees_with_a_fleet_over_real_zmq():
+    fleet = Fleet(2, 2, gpu_blocks=1024, cpu_blocks=2048, blocks_per_chunk=16)
+    ix = Indexer(fleet.engine_configs())
+    ix.start()
+    try:
+        wait_for(lambda: all(w.get("connected") for w in ix.workers()), what="SUBs connected")
+        reqs = list(trace_requests(limit=80, max_tokens=4096))
+        router = IndexRouter(ix.index)
+        # Late joiners and slow joiners are repaired by replay: no need to wait first.
+        simulate(reqs, fleet.sims, router)
+        last = {(p.dp_rank, s.engine): p.next_seq - 1 for s, p in zip(fleet.sims, fleet.pubs)}
+        wait_for(lambda: all(w["last_seq"] == last[(w["dp_rank"], w["engine"])] and not w["replaying"]
+                             for w in ix.workers()), timeout=20, what="every batch applied")
+        assert agree(ix.index, fleet.sims, [r.tokens for r in reqs[::5]]) > 500
+        assert not any(w["stale"] for w in ix.workers())
+    finally:
+        ix.stop()
+        fleet.close()
+
+
+def test_realtime_replay_stops_on_request():
+    import threading
+
+    stop = threading.Event()
+    stop.set()
+    rep = simulate([Request(5.0, [1] * 32, 1)], [SimEngine("e")], RoundRobin(), realtime=True, stop=stop)
+    assert rep.requests == 0
