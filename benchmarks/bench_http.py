@@ -104,7 +104,7 @@ def start_dynamo(port: int, cpu: int) -> subprocess.Popen:
 
 
 def feed(pubs, payloads, client: Client | None, total: int, counter_path: str | None,
-         timeout: float = 300, done=None) -> float:
+         timeout: float = 300, done=None, poll: float = 0.2) -> float:
     """Publish every payload and wait until the server applied them all (our batch
     counter, or ``done()`` for a server without one); returns seconds."""
     t0 = time.perf_counter()
@@ -119,7 +119,7 @@ def feed(pubs, payloads, client: Client | None, total: int, counter_path: str | 
             _, st = client.json("GET", counter_path)
             if st["counters"].get("batches_applied", 0) >= total:
                 return time.perf_counter() - t0
-        time.sleep(0.2)
+        time.sleep(poll)
     raise RuntimeError("the service did not apply every batch in time (or answers differ from ours)")
 
 
@@ -188,6 +188,28 @@ def handler_us(client: Client, route: str) -> float | None:
     return None if not c else s / c * 1e6
 
 
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def dynamo_stored_events(client: Client) -> int:
+    """Store events Dynamo's standalone indexer has applied (its own counter)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, body = client.call("GET", "/metrics")
+    n = 0
+    for fam in text_string_to_metric_families(body.decode()):
+        if fam.name.startswith("dynamo_kvrouter_kv_cache_events_applied"):
+            for smp in fam.samples:
+                if smp.labels.get("event_type") == "stored" and not smp.name.endswith("_created"):
+                    n += int(smp.value)
+    return n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="200 sequences per engine, 1000 calls, 2 s throughput")
@@ -196,6 +218,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=500)
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--events-per-batch", type=int, default=16)
     ap.add_argument("--cpu", type=int, default=0, help="server CPU (clients use the other; -1 = no pinning)")
     ap.add_argument("--no-fastapi", action="store_true", help="skip the plain-FastAPI alternative")
     ap.add_argument("--peer", action="store_true", help="also measure Dynamo's standalone indexer")
@@ -204,29 +227,34 @@ def main() -> None:
     if args.quick:
         args.seqs = min(args.seqs, 200)
         args.calls, args.warmup, args.seconds = min(args.calls, 1000), min(args.warmup, 100), min(args.seconds, 2.0)
-    header("HTTP: POST /v1/match against a running kv-indexer serve", argparse.Namespace())
+    header("HTTP services side by side: ours (kv-indexer serve) and Dynamo's standalone indexer",
+           argparse.Namespace())
     client_cpu = -1 if args.cpu < 0 else (args.cpu + 1) % (os.cpu_count() or 1)
-    print(f"# affinity: servers (ours and Dynamo's) on CPU {args.cpu}, clients on CPU {client_cpu}\n"
+    print(f"# affinity: servers (ours and Dynamo's) on CPU {args.cpu}, clients and publishers on CPU {client_cpu}\n"
           if args.cpu >= 0 else "# affinity: not pinned\n")
     if client_cpu >= 0:
         os.sched_setaffinity(0, {client_cpu})
 
     p = wl.params_from_args(args, long_blocks=LONG_BLOCKS)
     events = wl.load_events("anchor", p)
-    payloads = wl.encode_payloads(events, p.block_size, events_per_batch=16)
+    payloads = wl.encode_payloads(events, p.block_size, events_per_batch=args.events_per_batch)
     total = sum(len(x) for x in payloads)
-    bodies = {n: json.dumps({"token_ids": wl.anchor_queries(p, n)["full"]}).encode() for n in args.lengths}
-    dyn_bodies = {n: json.dumps({"token_ids": wl.anchor_queries(p, n)["full"], "model_name": "default"}).encode()
-                  for n in args.lengths}
-    print(f"workload: {len(events)} engines, {p.seqs} sequences each, {wl.summarize(events)['resident_entries']:,} "
-          f"(worker, block) entries, {total:,} batches of 16 events\n")
+    summ = wl.summarize(events)
+    entries, stored_blocks = summ["resident_entries"], summ["stored_blocks"]
+    store_events = sum(1 for evs in events for e in evs if e.kind == "store")
+    # Agreement queries: every kind (full hit, one worker, shared prefix only, miss) at every length.
+    queries = {(n, kind): toks for n in args.lengths for kind, toks in wl.anchor_queries(p, n).items()}
+    bodies = {k: json.dumps({"token_ids": t}).encode() for k, t in queries.items()}
+    dyn_bodies = {k: json.dumps({"token_ids": t, "model_name": "default"}).encode() for k, t in queries.items()}
+    print(f"workload: {len(events)} engines, {p.seqs} sequences each, {entries:,} (worker, block) entries, "
+          f"{total:,} batches of {args.events_per_batch} events\n")
 
     # One server at a time, alone on its CPU: an idle Dynamo process beside ours (its
     # runtime threads wake) was seen to add ~90 us to our median, and the reverse.
     modes = [("fast path", "ours", True)] + ([] if args.no_fastapi else [("FastAPI routes", "ours", False)])
     if args.peer and peer_available():
         modes.append(("Dynamo /query", "dynamo", None))
-    rows, rps_rows, results, expect = [], [], {}, {}
+    rows, rps_rows, ingest_rows, results, answers = [], [], [], {}, {}
     for label, kind, fast in modes:
         port = free_port()
         srv = start_ours(port, args.cpu, fast) if kind == "ours" else start_dynamo(port, args.cpu)
@@ -242,32 +270,41 @@ def main() -> None:
                                                            "model_name": "default", "block_size": p.block_size})
                 assert st < 300, (st, body)
             time.sleep(1.0)  # SUB sockets connect before the first batch (PUB drops otherwise)
+            rss0 = rss(srv.pid)
             if kind == "ours":
-                secs = feed(pubs, payloads, c, total, "/v1/stats")
-                expect = {n: gpu_tokens(c, "/v1/match", bodies[n], p.block_size) for n in args.lengths}
+                secs = feed(pubs, payloads, None, total, None, poll=0.01,
+                            done=lambda: c.json("GET", "/v1/stats")[1]["counters"].get("batches_applied", 0) >= total)
             else:
-                secs = feed(pubs, payloads, None, total, None,
-                            done=lambda: all(gpu_tokens(c, "/query", dyn_bodies[n], p.block_size) == expect[n]
-                                             for n in args.lengths))
-            print(f"[{label}] fed {total:,} batches in {secs:.1f} s; "
-                  + "; ".join(f"{n} tokens: {len(expect[n])} engines match up to {max(expect[n].values(), default=0)}"
-                              for n in args.lengths))
+                secs = feed(pubs, payloads, None, total, None, poll=0.01,
+                            done=lambda: dynamo_stored_events(c) >= store_events)
+            time.sleep(0.5)
+            grown = rss(srv.pid) - rss0
+            ingest_rows.append([label, secs, stored_blocks / secs, grown, grown / entries])
+            got = {k: gpu_tokens(c, path, qbodies[k], p.block_size) for k in queries}
+            answers[label] = got
+            base = answers.get("fast path")
+            same = sum(got[k] == base[k] for k in queries) if base else len(queries)
+            print(f"[{label}] applied {total:,} batches in {secs:.2f} s; answers equal to ours on {same}/{len(queries)} "
+                  "queries" + ("" if same == len(queries) else f": {[k for k in queries if got[k] != base[k]]}"))
             for n in args.lengths:
-                r = latency(c, path, qbodies[n], args.calls, args.warmup)
+                r = latency(c, path, qbodies[(n, "full")], args.calls, args.warmup)
                 results[(label, n)] = r
                 rows.append([label, n, r["median_us"], r["p99_us"],
                              handler_us(c, "/v1/match") if kind == "ours" else None])
             for k in args.clients:
                 rps_rows.append([label, args.lengths[0], k,
-                                 throughput(port, path, qbodies[args.lengths[0]], k, args.seconds, client_cpu)])
+                                 throughput(port, path, qbodies[(args.lengths[0], "full")], k, args.seconds, client_cpu)])
         finally:
             for pub in pubs:
                 pub.close()
             srv.terminate()
             srv.wait(10)
     print()
+    print(table(["server", "s to apply all", "blocks/s", "RSS growth B", "B/entry"], ingest_rows,
+                f"ingest over loopback ZMQ until fully applied ({stored_blocks:,} blocks; {entries:,} resident entries)"))
+    print()
     print(table(["server", "tokens", "median us", "p99 us", "handler us (mean)"], rows,
-                "round trip, one keep-alive http.client connection"))
+                "POST query round trip, one keep-alive http.client connection (prompt held whole by every engine)"))
     print()
     print(table(["server", "tokens", "clients", "requests/s"], rps_rows,
                 f"throughput, keep-alive clients on one CPU, {args.seconds:g} s"))
@@ -275,9 +312,13 @@ def main() -> None:
     if ours:
         print(f"\ntarget: 1,024-token /v1/match median <= {TARGET_HTTP_MATCH_1K_US:g} us: "
               f"{ours['median_us']:.1f} us ({'met' if ours['median_us'] <= TARGET_HTTP_MATCH_1K_US else 'MISSED'})")
-        d = results.get(("Dynamo /query", args.lengths[0]))
-        if d:
-            print(f"Dynamo /query / ours: {ratio(d['median_us'], ours['median_us']):.2f}x median")
+    d_ing = [r for r in ingest_rows if r[0] == "Dynamo /query"]
+    if d_ing:
+        o_ing = ingest_rows[0]
+        print("ratios ours/Dynamo: ingest blocks/s " f"{ratio(o_ing[2], d_ing[0][2]):.2f}x (>= 1 = ours faster), "
+              f"memory per entry {ratio(o_ing[4], d_ing[0][4]):.2f}x (<= 1 = ours smaller), " + ", ".join(
+                  f"{n}-token query median {ratio(results[('fast path', n)]['median_us'], results[('Dynamo /query', n)]['median_us']):.2f}x"
+                  for n in args.lengths) + " (<= 1 = ours faster)")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import msgspec
 
 from .keys import KEY_SEED, block_keys, query_extra_keys, seeds_for_blocks, tokens_to_bytes
 from .result import MatchResult, WorkerMatch
+from .route import route
 from .tree import DEAD, MAX_TIERS, Node, Tree
 from .wire import REMOVED, STORED, DecodeError, decode_batch, decode_tokens, raw_array_len
 
@@ -943,6 +944,14 @@ class PrefixIndex:
                 return ks.chunks()
 
             return self._match(m, keys_for, ntok)
+
+    def route(self, token_ids: Sequence[int], *, model: str | None = "default", lora_name: str | None = None,
+              cache_salt: str | None = None, load=None, candidates=None, prefill_load_scale: float = 1.0) -> dict:
+        """The best worker for a prompt: :meth:`match` weighed against ``load``
+        (:func:`indexer.route.route`; the ``POST /v1/route`` body). Read-only."""
+        res = self.match(token_ids, model=model, lora_name=lora_name, cache_salt=cache_salt)
+        return route(res, self.model_workers(res.model), load=load, candidates=candidates,
+                     prefill_load_scale=prefill_load_scale)
 
     def match_by_keys(self, block_keys_: Sequence[int], *, model: str | None = "default") -> MatchResult:
         """Like :meth:`match`, with the caller's block keys (R-Q-1, R-KEY-2).
