@@ -140,7 +140,7 @@ def peer_available() -> bool:
     return DYNAMO_PY.exists()
 
 
-def peer(mode: str, args: list[str], timeout: float = 1800) -> dict | None:
+def peer(mode: str, args: list[str], timeout: float = 1800, quiet: bool = False) -> dict | None:
     """Run ``peer_dynamo.py --mode MODE --json ARGS`` in .venv-dynamo; None when unavailable.
 
     The peer prints its own table on stderr and one JSON line on stdout.
@@ -154,7 +154,7 @@ def peer(mode: str, args: list[str], timeout: float = 1800) -> dict | None:
         print(f"[peer] failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-4000:]}", file=sys.stderr)
         return None
     peer_table = proc.stderr.strip()
-    if peer_table:
+    if peer_table and not quiet:
         print(peer_table)
         print()
     for line in reversed(proc.stdout.strip().splitlines()):

@@ -29,7 +29,7 @@ from _report import ROOT, header, table  # noqa: E402
 
 from indexer.sim import compare_policies, trace_requests  # noqa: E402
 
-POLICIES = ("round_robin", "least_loaded", "index")
+POLICIES = ("round_robin", "least_loaded", "index", "index_cache_only")
 
 
 def windows(timeline: list, width_s: float) -> tuple[list, list]:

@@ -308,19 +308,21 @@ class LeastLoaded:
 
 
 class IndexRouter:
-    """The index's answer (``indexer.route``) over an in-process :class:`PrefixIndex`."""
+    """The index's answer (``indexer.route``) over an in-process :class:`PrefixIndex`;
+    ``use_load=False`` routes on the cached prefix alone (ties: engine order)."""
 
-    name = "index"
-
-    def __init__(self, index, model: str = "default", prefill_load_scale: float = 1.0) -> None:
+    def __init__(self, index, model: str = "default", prefill_load_scale: float = 1.0, use_load: bool = True) -> None:
         self.index = index
         self.model = model
         self.scale = prefill_load_scale
+        self.use_load = use_load
+        self.name = "index" if use_load else "index_cache_only"
 
     def choose(self, tokens, workers: list[str], loads: dict) -> str:
         res = self.index.match(tokens, model=self.model)
         known = [(w.rpartition("/")[0], int(w.rpartition("/")[2]), False) for w in workers]
-        return route(res, known, load=loads, candidates=workers, prefill_load_scale=self.scale)["worker"]
+        return route(res, known, load=loads if self.use_load else None, candidates=workers,
+                     prefill_load_scale=self.scale)["worker"]
 
 
 class HttpRouter:
@@ -516,8 +518,14 @@ def compare_policies(requests: list[Request], engines: int = 8, *, policies=("ro
     for name in policies:
         idx = PrefixIndex()
         fleet = fleet_engines(engines, dp_size, index=idx, **engine_options)
-        router = {"round_robin": RoundRobin, "least_loaded": LeastLoaded}.get(name)
-        router = router() if router is not None else IndexRouter(idx)
+        if name == "round_robin":
+            router = RoundRobin()
+        elif name == "least_loaded":
+            router = LeastLoaded()
+        elif name in ("index", "index_cache_only"):
+            router = IndexRouter(idx, use_load=name == "index")
+        else:
+            raise ValueError(f"unknown policy {name!r}")
         out.append(simulate(requests, fleet, router, prefill_tps=prefill_tps, decode_tps=decode_tps))
         idx.close()
     return out
@@ -548,10 +556,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{len(reqs)} trace requests, {args.engines} engines x {args.dp_size} DP, GPU {args.gpu_blocks} blocks, "
           f"CPU {args.cpu_blocks} blocks")
-    print(f"{'policy':<14}{'hit':>8}{'GPU hit':>9}{'CPU hit':>9}{'saved tokens':>15}{'imbalance':>11}"
+    print(f"{'policy':<18}{'hit':>8}{'GPU hit':>9}{'CPU hit':>9}{'saved tokens':>15}{'imbalance':>11}"
           f"{'TTFT p50':>10}{'TTFT p99':>10}")
     for s in sums:
-        print(f"{s['policy']:<14}{s['hit_rate']:>8.1%}{s['gpu_hit_rate']:>9.1%}{s['cpu_hit_rate']:>9.1%}"
+        print(f"{s['policy']:<18}{s['hit_rate']:>8.1%}{s['gpu_hit_rate']:>9.1%}{s['cpu_hit_rate']:>9.1%}"
               f"{s['prefill_tokens_saved']:>15,}{s['load_imbalance']:>11.2f}{s['ttft_p50_s']:>9.2f}s"
               f"{s['ttft_p99_s']:>9.2f}s")
     return 0
