@@ -21,8 +21,8 @@ from typing import Any, Awaitable, Callable
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from indexer import PrefixIndex
 from indexer.ingest import EngineConfig, Indexer
@@ -34,7 +34,6 @@ from .metrics import Metrics
 from .settings import Settings
 
 log = logging.getLogger("kv_indexer.api")
-
 
 
 def error_body(detail: str, key: str = "detail") -> bytes:
@@ -69,7 +68,6 @@ class Service:
         self.api_errors: dict[tuple[str, int], int] = {}
         self.metrics = Metrics(index, self.ingest, self.api_errors)
         self.routes: dict[str, _Route] = {}
-        self.started = time.time()
 
     # ------------------------------------------------------------- transport
 
@@ -95,6 +93,10 @@ class Service:
         self.api_errors[key] = self.api_errors.get(key, 0) + 1
         return status, error_body(detail, route.error_key)
 
+    def observe(self, path: str, t0: float, res) -> None:
+        """Count one answered query in the histograms (time since ``t0``, best prefix)."""
+        self.metrics.observe(path, time.perf_counter() - t0, res.workers[0].total_blocks if res.workers else 0)
+
     def check_tokens(self, n: int) -> None:
         if n > self.settings.max_request_tokens:
             raise HTTPError(413, f"{n} tokens exceed the limit of {self.settings.max_request_tokens} per request")
@@ -106,7 +108,7 @@ class Service:
         t0 = time.perf_counter()
         res = self.index.match(q.token_ids, model=q.model, lora_name=q.lora_name, cache_salt=q.cache_salt)
         out = ENC.encode(res.to_dict())
-        self.metrics.observe("/v1/match", time.perf_counter() - t0, res.workers[0].total_blocks if res.workers else 0)
+        self.observe("/v1/match", t0, res)
         return 200, out
 
     async def match_by_keys(self, q: schemas.MatchByKeysRequest):
@@ -114,11 +116,10 @@ class Service:
         t0 = time.perf_counter()
         res = self.index.match_by_keys(u64_keys(q.block_keys), model=q.model)
         out = ENC.encode(res.to_dict())
-        self.metrics.observe("/v1/match_by_keys", time.perf_counter() - t0,
-                             res.workers[0].total_blocks if res.workers else 0)
+        self.observe("/v1/match_by_keys", t0, res)
         return 200, out
 
-    async def route(self, q: schemas.RouteRequest):
+    async def route_request(self, q: schemas.RouteRequest):
         self.check_tokens(len(q.token_ids))
         t0 = time.perf_counter()
         res = self.index.match(q.token_ids, model=q.model, lora_name=q.lora_name, cache_salt=q.cache_salt)
@@ -128,7 +129,7 @@ class Service:
                         candidates=q.candidates, prefill_load_scale=self.settings.prefill_load_scale)
         except LookupError as e:
             raise HTTPError(404, str(e)) from None
-        self.metrics.observe("/v1/route", time.perf_counter() - t0, res.workers[0].total_blocks if res.workers else 0)
+        self.observe("/v1/route", t0, res)
         return 200, out
 
     # --------------------------------------------------------------- engines
@@ -323,7 +324,7 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
                summary="Longest cached prefix per worker for a prompt")
     json_route("/v1/match_by_keys", schemas.MatchByKeysRequest, svc.match_by_keys, hot=True,
                ok="MatchResponse", summary="The same, with precomputed block keys")
-    json_route("/v1/route", schemas.RouteRequest, svc.route, hot=True, ok="RouteResponse",
+    json_route("/v1/route", schemas.RouteRequest, svc.route_request, hot=True, ok="RouteResponse",
                summary="Best replica for a request (cache and load)")
     json_route("/v1/engines", schemas.EngineRequest, svc.add_engine, ok_status=201, errors=(400, 409, 413, 422),
                summary="Register an engine (subscribe to its events)")

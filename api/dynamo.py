@@ -105,7 +105,7 @@ class Dynamo:
         model = self._query_model(q.model_name, q.routing_group)
         res = self.svc.index.match(q.token_ids, model=model, lora_name=q.lora_name, cache_salt=q.cache_salt)
         out = self.answer(res)
-        self.svc.metrics.observe("/query", time.perf_counter() - t0, res.workers[0].total_blocks if res.workers else 0)
+        self.svc.observe("/query", t0, res)
         return 200, out
 
     async def query_by_hash(self, q: schemas.DynQueryByHash):
@@ -117,8 +117,7 @@ class Dynamo:
         model = self._query_model(q.model_name, q.routing_group)
         res = self.svc.index.match_by_keys(u64_keys(q.block_hashes), model=model)
         out = self.answer(res)
-        self.svc.metrics.observe("/query_by_hash", time.perf_counter() - t0,
-                                 res.workers[0].total_blocks if res.workers else 0)
+        self.svc.observe("/query_by_hash", t0, res)
         return 200, out
 
     def _query_model(self, model_name: str, group: str | None) -> str:
