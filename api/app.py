@@ -97,6 +97,12 @@ class Service:
         """Count one answered query in the histograms (time since ``t0``, best prefix)."""
         self.metrics.observe(path, time.perf_counter() - t0, res.workers[0].total_blocks if res.workers else 0)
 
+    def answer(self, path: str, t0: float, res) -> tuple[int, bytes]:
+        """The ``/v1/match`` body of ``res``, counted."""
+        out = ENC.encode(res.to_dict())
+        self.observe(path, t0, res)
+        return 200, out
+
     def check_tokens(self, n: int) -> None:
         if n > self.settings.max_request_tokens:
             raise HTTPError(413, f"{n} tokens exceed the limit of {self.settings.max_request_tokens} per request")
@@ -107,17 +113,13 @@ class Service:
         self.check_tokens(len(q.token_ids))
         t0 = time.perf_counter()
         res = self.index.match(q.token_ids, model=q.model, lora_name=q.lora_name, cache_salt=q.cache_salt)
-        out = ENC.encode(res.to_dict())
-        self.observe("/v1/match", t0, res)
-        return 200, out
+        return self.answer("/v1/match", t0, res)
 
     async def match_by_keys(self, q: schemas.MatchByKeysRequest):
         self.check_tokens(len(q.block_keys))
         t0 = time.perf_counter()
         res = self.index.match_by_keys(u64_keys(q.block_keys), model=q.model)
-        out = ENC.encode(res.to_dict())
-        self.observe("/v1/match_by_keys", t0, res)
-        return 200, out
+        return self.answer("/v1/match_by_keys", t0, res)
 
     async def route_request(self, q: schemas.RouteRequest):
         self.check_tokens(len(q.token_ids))

@@ -111,12 +111,19 @@ def sample(m: dict, name: str, **labels) -> float:
     return m.get((name, frozenset((k, str(v)) for k, v in labels.items())), 0.0)
 
 
-def wait_for(pred, timeout: float = 10.0, what: str = "condition"):
+def wait_until(cond, timeout: float = 5.0, interval: float = 0.005, msg=""):
+    """Poll ``cond`` until it returns a truthy value; fail after ``timeout`` seconds
+    (``msg`` may be a callable, evaluated only then)."""
     deadline = time.monotonic() + timeout
     while True:
-        got = pred()
-        if got:
-            return got
+        v = cond()
+        if v:
+            return v
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
+            raise AssertionError(f"timed out after {timeout}s waiting for {(msg() if callable(msg) else msg) or cond}")
+        time.sleep(interval)
+
+
+def wait_for(pred, timeout: float = 10.0, what: str = "condition"):
+    """``wait_until`` for the HTTP tests: a longer default and a gentler poll."""
+    return wait_until(pred, timeout, 0.02, what)

@@ -31,25 +31,13 @@ from indexer.ingest import EngineConfig, Indexer
 from indexer.keys import block_keys
 from indexer.publisher import END_SEQ, VllmPublisher
 from indexer.testing import Cleared, encode_batch
+from svc import wait_until
 
 LOCAL = "tcp://127.0.0.1:*"
 BS = 4
 
 
 # ----------------------------------------------------------------- helpers
-
-
-def wait_until(cond, timeout: float = 5.0, interval: float = 0.005, msg=""):
-    """Poll ``cond`` until it returns a truthy value; fail after ``timeout`` seconds
-    (``msg`` may be a callable, evaluated only then)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {(msg() if callable(msg) else msg) or cond}")
-        time.sleep(interval)
 
 
 def free_ports(n: int) -> int:
