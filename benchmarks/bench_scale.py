@@ -129,7 +129,7 @@ def run_peer(workers: int, seqs: int, cpu: int) -> dict | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fleet 8/64 at ~10^5 entries; sizes 10^5, 10^6")
-    ap.add_argument("--fleets", type=int, nargs="+", default=[8, 64, 256])
+    ap.add_argument("--fleets", type=int, nargs="*", default=[8, 64, 256])
     ap.add_argument("--fleet-entries", type=float, default=776_192)
     ap.add_argument("--sizes", type=float, nargs="+", default=[1e5, 1e6, 1e7])
     ap.add_argument("--peer", action="store_true")
