@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from indexer import PrefixIndex
+from indexer.discovery import DnsDiscovery
 from indexer.ingest import EngineConfig, Indexer
 from indexer.route import Load, route
 
@@ -68,6 +69,12 @@ class Service:
         self.api_errors: dict[tuple[str, int], int] = {}
         self.metrics = Metrics(index, self.ingest, self.api_errors)
         self.routes: dict[str, _Route] = {}
+        self.discovery = None
+        d = settings.discovery
+        if d is not None:
+            self.discovery = DnsDiscovery(
+                self.ingest, d.dns_name, port=d.port, replay_port=d.replay_port, dp_size=d.dp_size, model=d.model,
+                topic=d.topic, interval_s=d.interval_s, grace_s=d.grace_s)
 
     # ------------------------------------------------------------- transport
 
@@ -290,10 +297,15 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         svc.ingest.start()
-        log.info("kv-indexer ready: %d engine(s) configured", len(settings.engines))
+        if svc.discovery is not None:
+            svc.discovery.start()
+        log.info("kv-indexer ready: %d engine(s) configured%s", len(settings.engines),
+                 f", discovering {svc.discovery.name}" if svc.discovery is not None else "")
         try:
             yield
         finally:
+            if svc.discovery is not None:
+                await off_loop(svc.discovery.stop)
             await svc.ingest.astop()
 
     app = FastAPI(
@@ -352,6 +364,7 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
     async def stats() -> Response:
         st = svc.index.stats()
         st["api_errors"] = {f"{p} {s}": n for (p, s), n in sorted(svc.api_errors.items())}
+        st["discovery"] = svc.discovery.status() if svc.discovery is not None else None
         return Response(ENC.encode(st), media_type=JSON)
 
     @app.get("/healthz", tags=["ops"], summary="Process alive")

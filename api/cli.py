@@ -20,6 +20,7 @@ _HELP = {
     "host": "listen address",
     "port": "listen port",
     "engines": "engines to subscribe to at start (list of {id, endpoint, model, replay_endpoint, topic, dp_size})",
+    "discovery": "engines by DNS: {dns_name, port, replay_port, dp_size, model, topic, interval_s, grace_s}",
     "credits": "score credit per block per tier (JSON object in the environment)",
     "stale_factor": "multiplier on a stale worker's score when ranking, 0..1",
     "max_orphans": "stores waiting for their parent, at most (the oldest go first)",
@@ -56,6 +57,10 @@ Example config file (YAML):
       endpoint: tcp://10.0.0.5:5557          # vLLM kv_events_config.endpoint
       replay_endpoint: tcp://10.0.0.5:5558   # kv_events_config.replay_endpoint
       dp_size: 2                             # rank r publishes on port + r
+  discovery:                                 # or: every address of a headless Service
+    dns_name: vllm-engines.default.svc.cluster.local
+    port: 5557
+    replay_port: 5600
   credits: {{GPU: 1.0, CPU: 0.75, STORAGE: 0.25}}
   max_nodes: 2000000
   max_request_tokens: 1000000
@@ -72,6 +77,8 @@ def _env_table() -> str:
         shown = json.dumps(default) if name in ("credits", "engines") else default
         if name == "engines":
             shown = "[]"
+        if name == "discovery":
+            shown = "none"
         lines.append(f"  {ENV_PREFIX + name.upper():<24} {_HELP.get(name, '')} (default {shown})")
     return "\n".join(lines)
 

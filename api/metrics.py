@@ -29,6 +29,9 @@ _COUNTERS = {
     "cap_evicted_nodes": "Nodes evicted by the per-tree node cap.",
     "stale_marked": "Times a worker was marked stale.",
     "stale_cleared": "Times a stale worker recovered.",
+    "discovery_added": "Engines added by DNS discovery.",
+    "discovery_removed": "Engines removed by DNS discovery (gone longer than the grace period).",
+    "discovery_errors": "DNS discovery failures (resolution or registration); nothing is removed on a failure.",
 }
 
 

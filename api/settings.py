@@ -21,12 +21,40 @@ class SettingsError(ValueError):
     """A setting is missing, of the wrong type or out of range; the message says which."""
 
 
+class Discovery(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Engines found by DNS: every address of ``dns_name`` (a headless Service) is an engine."""
+
+    dns_name: str
+    port: int = 5557
+    replay_port: int | None = None
+    dp_size: int = 1
+    model: str = "default"
+    topic: str = ""
+    interval_s: float = 10.0
+    grace_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        # msgspec names the setting ("setting 'discovery': ..."); these say the field.
+        if not self.dns_name:
+            raise SettingsError("dns_name must not be empty")
+        for name in ("port", "replay_port"):
+            v = getattr(self, name)
+            if v is not None and not 1 <= v + self.dp_size - 1 <= 65535:
+                raise SettingsError(f"{name}: ports {v}..{v + self.dp_size - 1} must be 1..65535")
+        if not 1 <= self.dp_size <= 1024:
+            raise SettingsError(f"dp_size must be 1..1024, got {self.dp_size}")
+        if not self.interval_s > 0 or self.grace_s < 0:
+            raise SettingsError("interval_s must be > 0 and grace_s >= 0")
+
+
 class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Everything the service can be told. Field docs are the ``--help`` text."""
 
     host: str = "127.0.0.1"
     port: int = 8080
     engines: tuple[EngineConfig, ...] = ()
+    # Engines found by DNS (a Kubernetes headless Service), besides the static list.
+    discovery: Discovery | None = None
     # Score credit per block served from each tier (contract R-Q-3).
     credits: dict[str, float] = msgspec.field(
         default_factory=lambda: {"GPU": 1.0, "CPU": 0.75, "STORAGE": 0.25}
@@ -104,7 +132,7 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 
 FIELDS = Settings.__struct_fields__
 # Settings whose environment value is JSON (the rest are scalars, parsed by type).
-_JSON_FIELDS = ("engines", "credits")
+_JSON_FIELDS = ("engines", "credits", "discovery")
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
