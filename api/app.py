@@ -169,19 +169,24 @@ class Service:
         return self.index.block_size(model)
 
     def readiness(self) -> tuple[bool, list[str]]:
-        """Ready when ingest runs, every configured worker is connected and none replays."""
-        reasons = []
+        """Ready when ingest runs and at least ``ready_fraction`` of the subscribed workers
+        (all, by default) are connected and not replaying; the reasons name the others."""
+        fatal = []
         if not self.ingest.running:
-            reasons.append(f"ingest thread is not running ({self.ingest.error or 'not started'})")
+            fatal.append(f"ingest thread is not running ({self.ingest.error or 'not started'})")
+        reasons = []
+        subscribed = 0
         for w in self.ingest.workers():
             name = f"{w['engine']}/{w['dp_rank']}"
             if "connected" not in w:
                 continue
+            subscribed += 1
             if not w["connected"]:
                 reasons.append(f"{name}: not connected to {w['endpoint']}")
             elif w["replaying"]:
                 reasons.append(f"{name}: replaying")
-        return not reasons, reasons
+        ok = not fatal and (subscribed - len(reasons)) >= self.settings.ready_fraction * subscribed
+        return ok, fatal + reasons
 
 
 def engine_dict(cfg: EngineConfig) -> dict:

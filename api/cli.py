@@ -30,6 +30,7 @@ _HELP = {
     "max_request_bytes": "request body bytes, at most; more gets 413",
     "replay_timeout_s": "seconds a replay may take before the worker is marked stale",
     "max_workers": "engine DP ranks subscribed at once, at most (each holds up to 4 sockets)",
+    "ready_fraction": "/readyz: share of subscribed workers that must be connected and not replaying, 0..1",
     "prefill_load_scale": "/v1/route cost weight of uncached prefill blocks",
     "log_level": "critical, error, warning, info or debug",
     "log_json": "log one JSON object per line",

@@ -67,6 +67,8 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     max_request_tokens: int = 1_000_000
     max_request_bytes: int = 16 * 1024 * 1024
     replay_timeout_s: float = 5.0
+    # /readyz: the share of subscribed workers that must be connected and not replaying.
+    ready_fraction: float = 1.0
     # Engine DP ranks subscribed at once (sockets and file descriptors grow with it).
     max_workers: int = 2048
     # /v1/route: cost = prefill_load_scale * uncached prefill blocks + decode blocks.
@@ -99,6 +101,8 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         for name in ("orphan_ttl_s", "replay_timeout_s"):
             if not getattr(self, name) > 0:
                 bad(name, f"must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.ready_fraction <= 1:
+            bad("ready_fraction", f"must be in [0, 1], got {self.ready_fraction}")
         if not 0 <= self.stale_factor <= 1:
             bad("stale_factor", f"must be in [0, 1], got {self.stale_factor}")
         if not 1 <= self.demo_engines <= 64 or not 1 <= self.demo_dp_size <= 8:

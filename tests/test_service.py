@@ -380,3 +380,21 @@ def test_stats_and_workers_shapes(api, pubs):
               "replays_ok", "replays_failed", "gaps", "messages", "dropped", "resident_blocks", "endpoint"):
         assert k in w, k
     json.dumps(w)
+
+
+def test_readyz_with_a_ready_fraction_tolerates_some_engines_down(pubs):
+    """With ready_fraction 0.5, one engine of two down keeps the replica ready (a Kubernetes
+    readiness probe must not take every replica out because one engine died)."""
+    s = Server(env={"KVI_READY_FRACTION": "0.5"})
+    try:
+        api = s.client
+        p = pubs()
+        connect(api, "up", p)
+        api.post("/v1/engines", {"id": "down", "endpoint": f"tcp://127.0.0.1:{free_port()}"})
+        st, body = api.get("/readyz")
+        assert st == 200 and body["ready"] and body["reasons"][0].startswith("down/0: not connected")
+        api.post("/v1/engines", {"id": "down2", "endpoint": f"tcp://127.0.0.1:{free_port()}"})
+        st, body = api.get("/readyz")
+        assert st == 503 and len(body["reasons"]) == 2
+    finally:
+        s.stop()
