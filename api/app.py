@@ -281,10 +281,13 @@ def _ref(name: str) -> dict:
 
 
 def _json_responses(ok: str | None, ok_status: int = 200, errors=(400, 404, 413, 422),
-                    error_schema: str = "ErrorResponse") -> dict:
-    out: dict = {ok_status: {"description": "OK"}}
-    if ok is not None:
-        out[ok_status]["content"] = {JSON: {"schema": _ref(ok)}}
+                    error_schema: str = "ErrorResponse", also_ok: int | None = None) -> dict:
+    out: dict = {}
+    for status in (ok_status, also_ok):
+        if status is not None:
+            out[status] = {"description": "OK"}
+            if ok is not None:
+                out[status]["content"] = {JSON: {"schema": _ref(ok)}}
     for s in errors:
         out[s] = {"description": "Error", "content": {JSON: {"schema": _ref(error_schema)}}}
     return out
@@ -323,7 +326,8 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
 
     def json_route(path: str, rtype: type | None, handler: Handler, *, hot: bool = False,
                    ok: str | None = None, ok_status: int = 200, errors=(400, 404, 413, 422),
-                   summary: str = "", tags=("indexer",), error_key: str = "detail") -> None:
+                   summary: str = "", tags=("indexer",), error_key: str = "detail",
+                   also_ok: int | None = None) -> None:
         route = svc.routes[path] = _Route(path, rtype, handler, hot, error_key)
         extra = None
         if rtype is not None:
@@ -336,7 +340,8 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
         app.add_api_route(path, endpoint, methods=["POST"], summary=summary, tags=list(tags),
                           openapi_extra=extra, status_code=ok_status,
                           responses=_json_responses(ok, ok_status, errors,
-                                                    "DynErrorResponse" if error_key == "error" else "ErrorResponse"),
+                                                    "DynErrorResponse" if error_key == "error" else "ErrorResponse",
+                                                    also_ok),
                           name=path)
 
     json_route("/v1/match", schemas.MatchRequest, svc.match, hot=True, ok="MatchResponse",
@@ -345,8 +350,9 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
                ok="MatchResponse", summary="The same, with precomputed block keys")
     json_route("/v1/route", schemas.RouteRequest, svc.route_request, hot=True, ok="RouteResponse",
                summary="Best replica for a request (cache and load)")
-    json_route("/v1/engines", schemas.EngineRequest, svc.add_engine, ok_status=201, errors=(400, 409, 413, 422),
-               summary="Register an engine (subscribe to its events)")
+    json_route("/v1/engines", schemas.EngineRequest, svc.add_engine, ok="EngineOut", ok_status=201,
+               errors=(400, 409, 413, 422), also_ok=200,
+               summary="Register an engine (subscribe to its events); 200 when already registered identically")
 
     @app.get("/v1/engines", tags=["indexer"], summary="Configured engines")
     async def list_engines() -> Response:

@@ -163,6 +163,18 @@ class RouteResponse(msgspec.Struct):
     ranked: list[RankedOut]
 
 
+class EngineOut(msgspec.Struct):
+    """A registered engine's configuration (ranks ``dp_rank_start`` .. + ``dp_size`` - 1)."""
+
+    id: str
+    endpoint: str
+    model: str
+    replay_endpoint: str | None
+    topic: str
+    dp_size: int
+    dp_rank_start: int
+
+
 class ErrorResponse(msgspec.Struct):
     detail: str
 
@@ -199,6 +211,7 @@ RESPONSE_TYPES: dict[str, Any] = {
     "MatchResponse": MatchResponse,
     "RouteResponse": RouteResponse,
     "ErrorResponse": ErrorResponse,
+    "EngineOut": EngineOut,
     "DynQueryResponse": DynQueryResponse,
     "DynErrorResponse": DynErrorResponse,
 }
