@@ -152,3 +152,18 @@ def test_the_demo_serves_real_answers_within_seconds():
         s.stop()
     with open(s.log.name) as f:
         assert "demo: 4 simulated engines x 2 DP ranks replaying the Mooncake trace at 20x" in f.read()
+
+
+def test_the_readme_config_example_is_complete_and_valid(tmp_path):
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    block = text.split("A complete config file:", 1)[1]
+    example = re.search(r"```yaml\n(.*?)```", block, re.S).group(1)
+    cfg = tmp_path / "example.yaml"
+    cfg.write_text(example)
+    s = load_settings(str(cfg), env={})
+    import yaml
+
+    assert set(yaml.safe_load(example)) == set(FIELDS)  # every setting is shown
+    assert s.engines[0].dp_size == 2 and s.discovery.replay_port == 5600
