@@ -221,10 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "demo-prompt":
         from indexer.sim import TRACE, trace_requests
 
+        if not TRACE.exists():
+            print(f"kv-indexer: no trace at {TRACE} (set KVI_TRACE)", file=sys.stderr)
+            return 2
         for i, req in enumerate(trace_requests(TRACE, limit=args.n + 1, max_tokens=args.max_tokens)):
             if i == args.n:
                 print(json.dumps({"token_ids": req.tokens}))
-        return 0
+                return 0
+        print(f"kv-indexer: the trace has fewer than {args.n + 1} requests", file=sys.stderr)
+        return 2
     if args.cmd in ("demo", "decode"):
         from indexer.__main__ import main as core_main
 

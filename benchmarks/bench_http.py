@@ -273,10 +273,10 @@ def main() -> None:
             rss0 = rss(srv.pid)
             if kind == "ours":
                 secs = feed(pubs, payloads, None, total, None, poll=0.01,
-                            done=lambda: c.json("GET", "/v1/stats")[1]["counters"].get("batches_applied", 0) >= total)
+                            done=lambda c=c: c.json("GET", "/v1/stats")[1]["counters"].get("batches_applied", 0) >= total)
             else:
                 secs = feed(pubs, payloads, None, total, None, poll=0.01,
-                            done=lambda: dynamo_stored_events(c) >= store_events)
+                            done=lambda c=c: dynamo_stored_events(c) >= store_events)
             time.sleep(0.5)
             grown = rss(srv.pid) - rss0
             ingest_rows.append([label, secs, stored_blocks / secs, grown, grown / entries])

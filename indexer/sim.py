@@ -101,7 +101,7 @@ def synthetic_requests(n: int, *, prefixes: int = 16, prefix_tokens: int = 2048,
              trace_tokens(range(10_000_000 + i * 64, 10_000_000 + i * 64 + math.ceil(prefix_tokens / 512)),
                           prefix_tokens, seed) for i in range(prefixes)]
     t = 0.0
-    for i in range(n):
+    for _ in range(n):
         t += rng.expovariate(rate)
         head = heads[rng.choices(range(prefixes), weights)[0]]
         tail = [rng.randrange(65536) for _ in range(suffix_tokens)]
