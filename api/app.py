@@ -106,7 +106,7 @@ class Service:
 
     def answer(self, path: str, t0: float, res) -> tuple[int, bytes]:
         """The ``/v1/match`` body of ``res``, counted."""
-        out = ENC.encode(res.to_dict())
+        out = ENC.encode(res.to_dict(share=True))
         self.observe(path, t0, res)
         return 200, out
 

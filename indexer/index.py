@@ -1002,7 +1002,9 @@ class PrefixIndex:
         now = self._clock()
         out = []
         append = out.append
-        new_match = _new_worker_match
+        # tuple.__new__ skips NamedTuple's Python-level __new__ (one call per worker per query).
+        tnew = tuple.__new__
+        wm = WorkerMatch
         if len(per_group) == 1 and len(defaults) == 1 and defaults[0] in per_group:
             # The common shape: one attention group. Headline = that group.
             (g, got), = per_group.items()
@@ -1018,7 +1020,7 @@ class PrefixIndex:
                     c = shared[id(r)] = (-weighted, -total, tier_items, ((gname, tier_items, total),),
                                          total * head_bs)
                 fresh = w.fresh
-                append(new_match((
+                append(tnew(wm, (
                     c[0] * stale_factor if fresh[0] else c[0], c[1], w.engine, w.dp_rank,
                     c[2], c[3], c[4], fresh, now,
                 )))
@@ -1040,7 +1042,7 @@ class PrefixIndex:
                     score *= stale_factor
             else:
                 tier_items, total_blocks, score = (), 0, 0.0
-            append(new_match((
+            append(tnew(wm, (
                 -float(score), -total_blocks, w.engine, w.dp_rank, tier_items, group_items,
                 total_blocks * head_bs, w.fresh, now,
             )))
@@ -1346,6 +1348,3 @@ class _LazyKeys:
             yield c
 
 
-def _new_worker_match(fields: tuple) -> WorkerMatch:
-    # tuple.__new__ skips NamedTuple's Python-level __new__: one call per worker per query.
-    return tuple.__new__(WorkerMatch, fields)

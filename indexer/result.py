@@ -83,13 +83,23 @@ class WorkerMatch(tuple):
             out[name] = d
         return out
 
-    def to_dict(self) -> dict:
+    def to_dict(self, _memo: dict | None = None) -> dict:
         stale, reason, last_seq, _ = self[7]
+        if _memo is None:
+            tiers, groups = self.tiers, self.groups
+        else:
+            # Workers with the same answer (tier and group figures) get the same dicts,
+            # built once (MatchResult.to_dict(share=True)).
+            key = (self[4], self[5])
+            tg = _memo.get(key)
+            if tg is None:
+                tg = _memo[key] = (self.tiers, self.groups)
+            tiers, groups = tg
         return {
             "engine": self[2],
             "dp_rank": self[3],
-            "tiers": self.tiers,
-            "groups": self.groups,
+            "tiers": tiers,
+            "groups": groups,
             "total_blocks": -self[1],
             "total_tokens": self[6],
             "score": self.score,
@@ -119,13 +129,15 @@ class MatchResult(NamedTuple):
                 return w
         return None
 
-    def to_dict(self) -> dict:
-        """Exactly the JSON body of ``POST /v1/match``."""
+    def to_dict(self, share: bool = False) -> dict:
+        """Exactly the JSON body of ``POST /v1/match``. With ``share``, workers with the same
+        answer share their ``tiers`` and ``groups`` dicts (to encode at once, not to mutate)."""
         b = self.best
+        memo: dict | None = {} if share else None
         return {
             "model": self.model,
             "block_size": self.block_size,
             "query_blocks": self.query_blocks,
-            "workers": [w.to_dict() for w in self.workers],
+            "workers": [w.to_dict(memo) for w in self.workers],
             "best": None if b is None else {"engine": b.engine, "dp_rank": b.dp_rank, "score": b.score},
         }

@@ -370,3 +370,22 @@ def test_R_Q_5_no_half_applied_batch_visible():
     assert all(n % 4 == 0 for n in nodes)
     assert 4 in blocks or 0 in blocks
     assert idx.stats()["nodes"] == 0
+
+
+def test_R_Q_2_shared_body_is_the_same_json():
+    """to_dict(share=True) (the service's body) encodes exactly like to_dict()."""
+    import msgspec
+
+    from evkit import apply, chunks, store, toks
+
+    idx = PrefixIndex()
+    t = toks(10, 8, 16)
+    for e in ("a", "b", "c"):
+        apply(idx, [store(t, 16, 0, 6), *chunks(t, 16, 4, medium="CPU")], engine=e)
+    apply(idx, [store(t, 16, 0, 2)], engine="d")
+    res = idx.match(t)
+    assert len(res.workers) == 4
+    assert msgspec.json.encode(res.to_dict(share=True)) == msgspec.json.encode(res.to_dict())
+    shared = res.to_dict(share=True)["workers"]
+    assert shared[0]["tiers"] is shared[1]["tiers"]  # a, b and c share one answer
+    assert res.to_dict()["workers"][0]["tiers"] is not res.to_dict()["workers"][1]["tiers"]
