@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import logging.config
 import sys
 import time
 from typing import Any
@@ -157,8 +158,6 @@ def serve(settings: Settings) -> None:
     import uvicorn
 
     from .app import create_app
-
-    import logging.config
 
     logging.config.dictConfig(log_config(settings))
     fleet = None
