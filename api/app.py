@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from indexer import PrefixIndex
+from indexer.index import ModelRequiredError
 from indexer.discovery import DnsDiscovery
 from indexer.ingest import EngineConfig, Indexer
 from indexer.route import Load, route
@@ -91,6 +92,8 @@ class Service:
             status, detail = 422, f"invalid request: {e}"
         except msgspec.DecodeError as e:
             status, detail = 400, f"request body is not valid JSON: {e}"
+        except ModelRequiredError as e:
+            status, detail = 422, str(e.args[0])
         except KeyError as e:  # unknown model: the index says which
             status, detail = 404, str(e.args[0]) if e.args else "not found"
         except Exception:  # a bug: say so, count it, keep serving

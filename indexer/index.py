@@ -133,6 +133,10 @@ class _Model:
 _EVENT_NAMES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 
 
+class ModelRequiredError(KeyError):
+    """A query named no model while several are indexed (a client error, not a missing model)."""
+
+
 class PrefixIndex:
     """The in-process prefix index (no I/O, no threads of its own).
 
@@ -972,11 +976,14 @@ class PrefixIndex:
 
     def _model(self, model: str | None) -> _Model:
         if model is None:
-            if len(self._models) == 1:
-                return next(iter(self._models.values()))
-            if not self._models:
+            # The one model with workers (a model whose engines all left does not count).
+            live = [m for m in self._models.values() if m.workers] or list(self._models.values())
+            if len(live) == 1:
+                return live[0]
+            if not live:
                 raise KeyError("no model is indexed yet")
-            raise KeyError("model is required when several models are indexed")
+            names = ", ".join(sorted(m.name for m in live))
+            raise ModelRequiredError(f"model is required: several models are indexed ({names})")
         m = self._models.get(model)
         if m is None:
             raise KeyError(f"unknown model {model!r}")

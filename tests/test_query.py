@@ -389,3 +389,18 @@ def test_R_Q_2_shared_body_is_the_same_json():
     shared = res.to_dict(share=True)["workers"]
     assert shared[0]["tiers"] is shared[1]["tiers"]  # a, b and c share one answer
     assert res.to_dict()["workers"][0]["tiers"] is not res.to_dict()["workers"][1]["tiers"]
+
+
+def test_R_Q_1_model_may_be_omitted_when_one_model_has_workers():
+    from indexer.index import ModelRequiredError
+
+    idx = PrefixIndex()
+    t = toks(10, 2, 16)
+    apply(idx, [store(t, 16, 0, 2)], engine="a")
+    idx.register_worker("b", 0, model="other")
+    with pytest.raises(ModelRequiredError, match="several models"):
+        idx.match(t, model=None)
+    idx.drop_worker("b")  # "other" has no worker left: the query is no longer ambiguous
+    assert idx.match(t, model=None).best.engine == "a"
+    with pytest.raises(KeyError, match="unknown model"):
+        idx.match(t, model="nope")

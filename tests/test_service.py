@@ -270,6 +270,7 @@ BAD = [
     ("unknown field", "/v1/match", b'{"token_ids": [1], "tokens": [1]}', 422),
     ("model not a string", "/v1/match", b'{"token_ids": [1], "model": 3}', 422),
     ("unknown model", "/v1/match", b'{"token_ids": [1], "model": "nope"}', 404),
+    ("model required", "/v1/match", b'{"token_ids": [1]}', 422),
     ("key above u64", "/v1/match_by_keys", b'{"block_keys": [18446744073709551616]}', 422),
     ("key below i64", "/v1/match_by_keys", b'{"block_keys": [-9223372036854775809]}', 422),
     ("empty keys", "/v1/match_by_keys", b'{"block_keys": []}', 422),
@@ -288,9 +289,11 @@ BAD = [
 
 @pytest.mark.parametrize("name,path,body,status", BAD, ids=[b[0] for b in BAD])
 def test_R_BAD_1_bad_requests_get_a_clear_4xx(api, pubs, name, path, body, status):
-    # One engine with data, so "unknown model" is about the model, not an empty index.
+    # Engines of two models with data, so "unknown model" is about the model, not an empty
+    # index, and a query without a model is ambiguous.
     p = pubs()
     connect(api, "bad-input", p)
+    connect(api, "bad-input-2", pubs(), model="other")
     p.publish([store(toks(1, 2, BS), BS, 0, 2)])
     applied_through(api, "bad-input", 0)
     st, res = api.call("POST", path, body)
