@@ -113,9 +113,10 @@ class Dynamo:
             raise HTTPError(400, "cache_salt is not accepted by /query_by_hash; block_hashes must already "
                                  "include the intended cache salt")
         self.svc.check_tokens(len(q.block_hashes))
+        keys = u64_keys(q.block_hashes)  # the input is checked before the model is looked up
         t0 = time.perf_counter()
         model = self._query_model(q.model_name, q.routing_group)
-        res = self.svc.index.match_by_keys(u64_keys(q.block_hashes), model=model)
+        res = self.svc.index.match_by_keys(keys, model=model)
         out = self.answer(res)
         self.svc.observe("/query_by_hash", t0, res)
         return 200, out

@@ -45,18 +45,21 @@ def dyn():
         s.stop()
 
 
-def free_pair() -> int:
-    """A port p with p and p+1 free (a DP-rank pair)."""
-    import socket
+def rank_pair() -> tuple[VllmPublisher, VllmPublisher]:
+    """Publishers of DP ranks 0 and 1 of one engine (ports p and p+1): retried, since a
+    port found free can be taken by another process before the bind."""
+    import zmq
 
-    for _ in range(100):
-        p = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p + 1))
-            except OSError:
-                continue
-        return p
+    for _ in range(50):
+        base = free_port()
+        try:
+            p0 = VllmPublisher(f"tcp://127.0.0.1:{base}", bind=True)
+        except zmq.ZMQError:
+            continue
+        try:
+            return p0, VllmPublisher(f"tcp://127.0.0.1:{base}", bind=True, dp_rank=1)
+        except zmq.ZMQError:
+            p0.close()
     raise RuntimeError("no free port pair")
 
 
@@ -81,10 +84,8 @@ def test_dynamo_routes_match_the_recorded_service(dyn):
     assert (st, body) == (200, "")
     same(api, "query_before_any_register")  # 404 {"error": "no indexer for model=m ..."}
 
-    base = free_pair()
-    p1 = VllmPublisher(f"tcp://127.0.0.1:{base}", bind=True)
-    p1b = VllmPublisher(f"tcp://127.0.0.1:{base}", bind=True, dp_rank=1)  # port base+1
-    p2 = VllmPublisher(f"tcp://127.0.0.1:{free_port()}", bind=True, dp_rank=1)
+    p1, p1b = rank_pair()
+    p2 = VllmPublisher("tcp://127.0.0.1:*", bind=True, dp_rank=1)
     pubs += [p1, p1b, p2]
     same(api, "register_w1", endpoint=p1.live_endpoint)
     same(api, "register_same_again_same_endpoint", endpoint=p1.live_endpoint)
