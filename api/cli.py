@@ -181,8 +181,10 @@ def start_demo(settings: Settings):
     from indexer.ingest import EngineConfig
     from indexer.sim import TRACE, Fleet, IndexRouter, synthetic_requests, trace_requests
 
+    # A replay ring of 200 batches per worker covers the start-up (a late join is repaired
+    # from it) without holding ~90 KB per served request for long.
     fleet = Fleet(settings.demo_engines, settings.demo_dp_size, gpu_blocks=4096, cpu_blocks=32768,
-                  blocks_per_chunk=16)
+                  blocks_per_chunk=16, buffer_steps=200)
     engines = settings.engines + tuple(EngineConfig(**c) for c in fleet.engine_configs())
     settings = msgspec.structs.replace(settings, engines=engines)
     index = PrefixIndex(**settings.index_options())

@@ -453,15 +453,18 @@ class Fleet:
     """
 
     def __init__(self, engines: int = 4, dp_size: int = 2, *, model: str = "default", version: str = "0.33",
-                 **engine_options: Any) -> None:
+                 buffer_steps: int = 1000, **engine_options: Any) -> None:
         from .publisher import VllmPublisher
 
+        # The replay ring holds whole batches (a trace request's store is ~20 KB): vLLM's
+        # default of 10,000 would hold ~200 MB per simulated worker.
         self.model = model
         self.sims: list[SimEngine] = []
         self.pubs: list = []
         for e in range(engines):
             for r in range(dp_size):
-                pub = VllmPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", dp_rank=r, version=version, bind=True)
+                pub = VllmPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", dp_rank=r, version=version, bind=True,
+                                    buffer_steps=buffer_steps)
                 self.pubs.append(pub)
                 self.sims.append(SimEngine(f"sim-{e}", r, sink=pub.publish, **engine_options))
         self.stop = threading.Event()
