@@ -143,3 +143,24 @@ def test_realtime_replay_stops_on_request():
     stop.set()
     rep = simulate([Request(5.0, [1] * 32, 1)], [SimEngine("e")], RoundRobin(), realtime=True, stop=stop)
     assert rep.requests == 0
+
+
+def test_the_http_router_routes_a_fleet_through_a_running_service():
+    import json
+
+    from indexer.sim import HttpRouter
+    from svc import Server
+
+    fleet = Fleet(2, 1, gpu_blocks=1024)
+    s = Server(env={"KVI_ENGINES": json.dumps(fleet.engine_configs())})
+    try:
+        wait_for(lambda: s.client.get("/readyz")[0] == 200, what="the fleet connected")
+        reqs = list(synthetic_requests(40, prefixes=2, prefix_tokens=512, suffix_tokens=64, rate=1000))
+        rep = simulate(reqs, fleet.sims, HttpRouter(f"http://127.0.0.1:{s.port}"))
+        assert rep.requests == 40 and sum(w["requests"] for w in rep.per_worker.values()) == 40
+        assert rep.gpu_hit_tokens > 0  # the service saw the fleet's events and routed to the caches
+        m = s.client.metrics()
+        assert m[("kvi_query_duration_seconds_count", frozenset({("route", "/v1/route")}))] == 40
+    finally:
+        s.stop()
+        fleet.close()
