@@ -103,24 +103,18 @@ def start_dynamo(port: int, cpu: int) -> subprocess.Popen:
     return p
 
 
-def feed(pubs, payloads, client: Client | None, total: int, counter_path: str | None,
-         timeout: float = 300, done=None, poll: float = 0.2) -> float:
-    """Publish every payload and wait until the server applied them all (our batch
-    counter, or ``done()`` for a server without one); returns seconds."""
+def feed(pubs, payloads, done, timeout: float = 300, poll: float = 0.01) -> float:
+    """Publish every payload and wait until ``done()`` says the server applied them all;
+    returns seconds."""
     t0 = time.perf_counter()
     for pub, pls in zip(pubs, payloads):
         pub.publish_many(pls)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if done is not None:
-            if done():
-                return time.perf_counter() - t0
-        else:
-            _, st = client.json("GET", counter_path)
-            if st["counters"].get("batches_applied", 0) >= total:
-                return time.perf_counter() - t0
+        if done():
+            return time.perf_counter() - t0
         time.sleep(poll)
-    raise RuntimeError("the service did not apply every batch in time (or answers differ from ours)")
+    raise RuntimeError("the service did not apply every batch in time")
 
 
 def gpu_tokens(client: Client, path: str, body: bytes, block_size: int) -> dict:
@@ -171,21 +165,21 @@ def throughput(port: int, path: str, body: bytes, clients: int, seconds: float, 
     return total / seconds
 
 
-def handler_us(client: Client, route: str) -> float | None:
-    """Mean handler time of ``route`` from the service's own histogram."""
+def samples(client: Client):
+    """Every sample of one ``/metrics`` scrape (prometheus_client's parser)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     _, body = client.call("GET", "/metrics")
-    s = c = None
     for fam in text_string_to_metric_families(body.decode()):
-        if fam.name == "kvi_query_duration_seconds":
-            for smp in fam.samples:
-                if smp.labels.get("route") == route:
-                    if smp.name.endswith("_sum"):
-                        s = smp.value
-                    elif smp.name.endswith("_count"):
-                        c = smp.value
-    return None if not c else s / c * 1e6
+        yield from fam.samples
+
+
+def handler_us(client: Client, route: str) -> float | None:
+    """Mean handler time of ``route`` from the service's own histogram."""
+    got = {smp.name: smp.value for smp in samples(client)
+           if smp.name.startswith("kvi_query_duration_seconds_") and smp.labels.get("route") == route}
+    c = got.get("kvi_query_duration_seconds_count")
+    return None if not c else got["kvi_query_duration_seconds_sum"] / c * 1e6
 
 
 def rss(pid: int) -> int:
@@ -198,16 +192,9 @@ def rss(pid: int) -> int:
 
 def dynamo_stored_events(client: Client) -> int:
     """Store events Dynamo's standalone indexer has applied (its own counter)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    _, body = client.call("GET", "/metrics")
-    n = 0
-    for fam in text_string_to_metric_families(body.decode()):
-        if fam.name.startswith("dynamo_kvrouter_kv_cache_events_applied"):
-            for smp in fam.samples:
-                if smp.labels.get("event_type") == "stored" and not smp.name.endswith("_created"):
-                    n += int(smp.value)
-    return n
+    return sum(int(smp.value) for smp in samples(client)
+               if smp.name.startswith("dynamo_kvrouter_kv_cache_events_applied")
+               and not smp.name.endswith("_created") and smp.labels.get("event_type") == "stored")
 
 
 def main() -> None:
@@ -272,11 +259,10 @@ def main() -> None:
             time.sleep(1.0)  # SUB sockets connect before the first batch (PUB drops otherwise)
             rss0 = rss(srv.pid)
             if kind == "ours":
-                secs = feed(pubs, payloads, None, total, None, poll=0.01,
-                            done=lambda c=c: c.json("GET", "/v1/stats")[1]["counters"].get("batches_applied", 0) >= total)
+                secs = feed(pubs, payloads,
+                            lambda c=c: c.json("GET", "/v1/stats")[1]["counters"].get("batches_applied", 0) >= total)
             else:
-                secs = feed(pubs, payloads, None, total, None, poll=0.01,
-                            done=lambda c=c: dynamo_stored_events(c) >= store_events)
+                secs = feed(pubs, payloads, lambda c=c: dynamo_stored_events(c) >= store_events)
             time.sleep(0.5)
             grown = rss(srv.pid) - rss0
             ingest_rows.append([label, secs, stored_blocks / secs, grown, grown / entries])
