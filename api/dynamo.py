@@ -102,8 +102,11 @@ class Dynamo:
     async def query(self, q: schemas.DynQuery):
         self.svc.check_tokens(len(q.token_ids))
         t0 = time.perf_counter()
-        model = self._query_model(q.model_name, q.routing_group)
-        res = self.svc.index.match(q.token_ids, model=model, lora_name=q.lora_name, cache_salt=q.cache_salt)
+        model = self.model(q.model_name, q.routing_group)
+        try:
+            res = self.svc.index.match(q.token_ids, model=model, lora_name=q.lora_name, cache_salt=q.cache_salt)
+        except KeyError:  # the index's own lookup: no per-query scan of the models
+            raise self.no_indexer(q.model_name, q.routing_group) from None
         out = self.answer(res)
         self.svc.observe("/query", t0, res)
         return 200, out
@@ -115,17 +118,19 @@ class Dynamo:
         self.svc.check_tokens(len(q.block_hashes))
         keys = u64_keys(q.block_hashes)  # the input is checked before the model is looked up
         t0 = time.perf_counter()
-        model = self._query_model(q.model_name, q.routing_group)
-        res = self.svc.index.match_by_keys(keys, model=model)
+        model = self.model(q.model_name, q.routing_group)
+        try:
+            res = self.svc.index.match_by_keys(keys, model=model)
+        except KeyError:
+            raise self.no_indexer(q.model_name, q.routing_group) from None
         out = self.answer(res)
         self.svc.observe("/query_by_hash", t0, res)
         return 200, out
 
-    def _query_model(self, model_name: str, group: str | None) -> str:
-        model = self.model(model_name, group)
-        if model not in self.svc.index.models():
-            raise HTTPError(404, f"no indexer for model={model_name} routing_group={group or DEFAULT_GROUP}")
-        return model
+    @staticmethod
+    def no_indexer(model_name: str, group: str | None) -> HTTPError:
+        """Dynamo's 404 for a (model, routing group) it has no index for."""
+        return HTTPError(404, f"no indexer for model={model_name} routing_group={group or DEFAULT_GROUP}")
 
     @staticmethod
     def answer(res) -> dict:

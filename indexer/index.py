@@ -885,12 +885,13 @@ class PrefixIndex:
             return out
 
     def model_workers(self, model: str | None = "default") -> list[tuple[str, int, bool]]:
-        """``(engine, dp_rank, stale)`` of every worker of ``model`` (cheap: no sizes).
+        """``(engine, dp_rank, stale)`` of every worker of ``model``, in no particular order
+        (cheap: no sizes, no sort; ``indexer.route`` ranks them itself).
 
         Raises KeyError like :meth:`match` when the model is unknown."""
         with self._lock:
             m = self._model(model)
-            return sorted((w.engine, w.dp_rank, w.stale) for w in m.workers.values())
+            return [(w.engine, w.dp_rank, w.stale) for w in m.workers.values()]
 
     def models(self) -> list[str]:
         with self._lock:

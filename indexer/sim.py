@@ -320,9 +320,9 @@ class IndexRouter:
 
     def choose(self, tokens, workers: list[str], loads: dict) -> str:
         res = self.index.match(tokens, model=self.model)
-        known = [(w.rpartition("/")[0], int(w.rpartition("/")[2]), False) for w in workers]
-        return route(res, known, load=loads if self.use_load else None, candidates=workers,
-                     prefill_load_scale=self.scale)["worker"]
+        # The workers are the candidates: parsed once here, not again as ``candidates``.
+        known = [(e, int(r), False) for e, _, r in (w.rpartition("/") for w in workers)]
+        return route(res, known, load=loads if self.use_load else None, prefill_load_scale=self.scale)["worker"]
 
 
 class HttpRouter:
