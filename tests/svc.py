@@ -127,3 +127,16 @@ def wait_until(cond, timeout: float = 5.0, interval: float = 0.005, msg=""):
 def wait_for(pred, timeout: float = 10.0, what: str = "condition"):
     """``wait_until`` for the HTTP tests: a longer default and a gentler poll."""
     return wait_until(pred, timeout, 0.02, what)
+
+
+def wait_subscribed(client: "Client", pub, engine: str, rank: int = 0) -> None:
+    """Wait until the service's subscription to ``engine``/``rank`` is live (a PUB drops
+    what it sends before that): one-frame probes, counted as ``bad_frame_count`` drops,
+    until the service has received one."""
+
+    def got():
+        pub.send_raw([b"probe"])
+        return any(w["engine"] == engine and w["dp_rank"] == rank and w.get("messages")
+                   for w in client.get("/v1/workers")[1])
+
+    wait_for(got, what=f"{engine}/{rank} to receive a probe")

@@ -12,7 +12,7 @@ from evkit import store, toks
 from indexer.discovery import DnsDiscovery, resolve_addresses
 from indexer.ingest import Indexer
 from indexer.publisher import VllmPublisher
-from svc import Server, free_port, wait_for
+from svc import Server, free_port, wait_for, wait_subscribed
 
 
 class Fake:
@@ -117,12 +117,7 @@ def test_the_standard_resolver_and_the_service_discover_localhost():
     try:
         api = s.client
         wait_for(lambda: any(e["id"] == "127.0.0.1" for e in api.get("/v1/engines")[1]), what="discovered engine")
-
-        def probed():
-            pub.send_raw([b"probe"])
-            return any(w["engine"] == "127.0.0.1" and w.get("messages") for w in api.get("/v1/workers")[1])
-
-        wait_for(probed, what="the subscription")
+        wait_subscribed(api, pub, "127.0.0.1")
         t = toks(5, 4, 16)
         pub.publish([store(t, 16, 0, 4)])
         wait_for(lambda: api.post("/v1/match", {"token_ids": t})[1].get("best"), what="the blocks")

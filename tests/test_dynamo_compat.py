@@ -14,7 +14,7 @@ import xxhash
 
 from indexer.publisher import VllmPublisher
 from indexer.testing import Stored
-from svc import Client, Server, free_port, wait_for
+from svc import Client, Server, free_port, wait_for, wait_subscribed
 
 REC = json.loads((Path(__file__).parent / "data" / "dynamo" / "recorded.json").read_text())["exchanges"]
 BS = 16
@@ -106,8 +106,8 @@ def test_dynamo_routes_match_the_recorded_service(dyn):
     assert workers[1]["endpoints"] == {"1": p2.live_endpoint}
     same(api, "workers_filter_model_unknown")
     wait_for(lambda: all(w["status"] == "active" for w in api.get("/workers")[1]), what="listeners active")
-    probe(api, p1, "1", "0")
-    probe(api, p2, "2", "1")
+    wait_subscribed(api, p1, "1", 0)
+    wait_subscribed(api, p2, "2", 1)
 
     # The recorded event sequence, then the recorded answers.
     p1.publish([Stored([101, 102], None, flat(B[0:2]), 16, medium=None)])
@@ -123,7 +123,7 @@ def test_dynamo_routes_match_the_recorded_service(dyn):
 
     same(api, "register_w1_dp_rank_1", endpoint=p1b.live_endpoint)
     same(api, "register_w1_dp_rank_1_again", endpoint=p1b.live_endpoint)
-    probe(api, p1b, "1", "1")
+    wait_subscribed(api, p1b, "1", 1)
     p1b.publish([Stored([151], None, flat(B[0:1]), 16, medium="GPU")])
     wait_for(lambda: _instances(api).get("1", {}).get("dp", {}).get("1") == 16, what="w1 dp1 block")
     same(api, "query_plus_w1dp1_gpu1")
@@ -183,13 +183,4 @@ def _gpu(api: Client, inst: str) -> int:
     return _instances(api).get(inst, {}).get("gpu", 0)
 
 
-def probe(api: Client, pub: VllmPublisher, engine: str, rank: str) -> None:
-    """Wait until the worker's subscription is live (PUB drops what it sends before):
-    one-frame probes until the service counts one (as a dropped bad frame)."""
 
-    def got():
-        pub.send_raw([b"probe"])
-        return any(w["engine"] == engine and str(w["dp_rank"]) == rank and w.get("messages")
-                   for w in api.get("/v1/workers")[1])
-
-    wait_for(got, what=f"{engine}/{rank} to receive a probe")

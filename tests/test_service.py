@@ -10,7 +10,7 @@ import pytest
 
 from evkit import chunks, ehashes, removed, store, toks
 from indexer.publisher import VllmPublisher
-from svc import Client, Server, free_port, sample, wait_for
+from svc import Client, Server, free_port, sample, wait_for, wait_subscribed
 
 BS = 16
 MAX_TOKENS = 4096
@@ -63,17 +63,10 @@ def applied_through(api: Client, engine: str, seq: int) -> None:
 
 
 def connect(api: Client, engine: str, pub: VllmPublisher, **fields) -> None:
-    """Register ``engine`` and wait until its subscription is live (PUB drops what it
-    sends before that): one-frame probes, counted as ``bad_frame_count`` drops, until
-    the service has received one."""
+    """Register ``engine`` and wait until its subscription is live."""
     st, body = api.post("/v1/engines", {"id": engine, "endpoint": pub.live_endpoint, **fields})
     assert st == 201, body
-
-    def probed():
-        pub.send_raw([b"probe"])
-        return worker(api, engine).get("messages", 0) > 0
-
-    wait_for(probed, what=f"{engine} to receive a probe")
+    wait_subscribed(api, pub, engine)
 
 
 # ----------------------------------------------------------------------------- ops
