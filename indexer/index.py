@@ -27,7 +27,7 @@ import msgspec
 from .keys import KEY_SEED, block_keys, query_extra_keys, seeds_for_blocks, tokens_to_bytes
 from .result import MatchResult, WorkerMatch
 from .route import route
-from .tree import DEAD, MAX_TIERS, Node, Tree
+from .tree import DEAD, MAX_TIERS, Kids, Node, Tree, insert_gpu, walk
 from .wire import REMOVED, STORED, DecodeError, decode_batch, decode_tokens, raw_array_len
 
 __all__ = ["PrefixIndex", "DEFAULT_CREDITS", "DEFAULT_GROUP_KINDS"]
@@ -48,7 +48,7 @@ class _WG:
     __slots__ = ("map", "orphans", "res", "ends")
 
     def __init__(self) -> None:
-        self.map: dict = {}  # engine hash -> Node (R-APP-2 / R-APP-3 resolution)
+        self.map = Kids()  # engine hash -> Node (R-APP-2 / R-APP-3 resolution)
         self.orphans: dict = {}  # missing parent hash -> [pending store, ...]
         self.res = [0] * MAX_TIERS  # resident entries per tier id
         # tier id -> {chunk-end node: blocks in that chunk} (R-APP-5: the blocks
@@ -390,47 +390,14 @@ class PrefixIndex:
         new = 0
         capped = tree.stamps is not None
         get = wmap.get
-        created = 0
         if tid == GPU and not capped and get(hashes[0]) is None:
-            # The hot path: a GPU store that starts with a new block. Same steps as
-            # the general loop below (Tree.child / Tree.add_child inlined, the node
-            # born with the worker's bit), minus its per-block branches.
+            # The hot path: a GPU store that starts with a new block (tree.insert_gpu:
+            # the general loop below minus its per-block branches).
             keys = self._event_keys(ev, tree.block_size, len(hashes))
             if keys is None:
                 return "bad_tokens"
-            for h, k in zip(hashes, keys):
-                node = get(h)
-                if node is None or node.parent is DEAD:
-                    kids = parent.kids
-                    if kids is None:
-                        # A new leaf: born holding the worker's bit.
-                        parent.kids = wmap[h] = parent = Node(k, parent, None, bit)
-                        created += 1
-                        continue
-                    if kids.__class__ is dict:
-                        node = kids.get(k)
-                        if node is None:
-                            kids[k] = wmap[h] = parent = Node(k, parent, None, bit)
-                            created += 1
-                            continue
-                    elif kids.key == k:
-                        node = kids
-                    else:
-                        node = Node(k, parent, None, bit)
-                        parent.kids = {kids.key: kids, k: node}
-                        wmap[h] = parent = node
-                        created += 1
-                        continue
-                    wmap[h] = node
-                m = node.gpu
-                if m & bit:
-                    self._dup_add(node, w.wid, GPU)
-                else:
-                    node.gpu = m | bit
-                    new += 1
-                parent = node
+            _, created, new = insert_gpu(wmap, parent, hashes, keys, bit, w.wid << 5)
             tree.nodes += created
-            new += created
             wg.res[GPU] += new
             return "applied" if new == len(hashes) else "applied_with_duplicates"
         for i, h in enumerate(hashes):
@@ -1095,38 +1062,9 @@ class PrefixIndex:
         when nothing matched. The GPU prefix of every worker is computed during the
         walk, as bit masks: ``active`` holds the workers whose GPU run is unbroken.
         """
-        stops: list[tuple[int, int]] = []  # (depth, mask of workers whose GPU run ends there)
         keep = m.tiered  # only tiered models need the path for the chunk scan
-        path = [] if keep else None
-        node = tree.root
-        active = -1  # every worker, until the first node narrows it
-        d = 0
-        for chunk in key_chunks:  # keys come in growing chunks: a miss hashes little
-            for k in chunk:
-                kids = node.kids
-                if kids is None:
-                    break
-                if kids.__class__ is dict:
-                    node = kids.get(k)
-                    if node is None:
-                        break
-                elif kids.key == k:
-                    node = kids
-                else:
-                    break
-                if keep:
-                    path.append(node)
-                elif not active:
-                    break
-                nm = active & node.gpu
-                if nm != active:
-                    if d:
-                        stops.append((d, active ^ nm))  # these workers' GPU runs end at d
-                    active = nm
-                d += 1
-            else:
-                continue
-            break
+        # keys come in growing chunks: a miss hashes little
+        d, stops, active, path = walk(tree.root, key_chunks, keep)
         if d == 0:
             return None
         if active > 0:

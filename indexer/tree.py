@@ -14,26 +14,33 @@ Residency is stored as bit masks over worker ids (``wid``), one bit per worker:
 * ``dup``: ``None`` or ``{(wid << 5) | tid: extra}`` for reference counts above 1
   (R-APP-4); a count of 1 is just the bit.
 
-``kids`` is ``None``, a single child :class:`Node`, or a ``dict`` key -> child:
-most nodes of a prefix tree have exactly one child, and a one-entry dict costs
-~200 bytes.
+``kids`` is ``None``, a single child :class:`Node`, or a :data:`Kids` map key ->
+child: most nodes of a prefix tree have exactly one child.
+
+Two implementations share this layout. The compiled core (``indexer/_core.c``)
+keeps a node's key as a uint64 inside a 64-byte node and its maps (a worker's
+engine hash -> node, a node's key -> child) as tables of 16-byte slots, with no
+Python object per key; its ``insert_gpu`` and ``walk`` run the two hot loops. The
+pure-Python twins below (a msgspec node, dicts, the same two loops) are the
+fallback when the module is not built and the reference the tests hold it to.
 """
 
 from __future__ import annotations
 
 import heapq
+import os
 from typing import Any
 
 from msgspec import Struct
 
-__all__ = ["Node", "Tree", "DEAD", "MAX_TIERS"]
+__all__ = ["Node", "Tree", "DEAD", "MAX_TIERS", "Kids", "COMPILED", "insert_gpu", "walk"]
 
 # Tier ids are packed into 5 bits of the ``dup`` keys.
 MAX_TIERS = 32
 
 
-class Node(Struct, eq=False, gc=False):
-    """One block.
+class _PyNode(Struct, eq=False, gc=False):
+    """One block (the pure-Python node; ``indexer._core.Node`` is its compiled twin).
 
     A msgspec Struct: its C-level constructor is ~2.5x faster than a ``__slots__``
     class with ``__init__``; ``eq=False`` keeps identity equality and hashing.
@@ -51,9 +58,120 @@ class Node(Struct, eq=False, gc=False):
     dup: Any = None
 
 
-# Freed nodes point at DEAD: a worker's hash map may still name a node that the
-# node cap evicted; lookups treat such a node as absent and drop the mapping.
-DEAD = Node(None, None)
+def _py_insert_gpu(wmap, parent, hashes: list, keys: list, bit: int, dupkey: int):
+    """Attach a GPU store's blocks under ``parent`` for one worker.
+
+    A hash the worker already maps keeps its node (R-APP-2); a new block reuses
+    the child with its key or gets a new node born holding ``bit``; a block the
+    worker already holds counts one more announcement under ``dupkey`` in
+    ``node.dup`` (R-APP-4). Changes the tree, ``wmap`` and the nodes' ``gpu`` and
+    ``dup``. Returns ``(last node, nodes created, residencies added)``.
+    """
+    get = wmap.get
+    created = added = 0
+    for h, k in zip(hashes, keys):
+        node = get(h)
+        if node is None or node.parent is DEAD:
+            kids = parent.kids
+            if kids is None:
+                parent.kids = wmap[h] = parent = Node(k, parent, None, bit)
+                created += 1
+                continue
+            if kids.__class__ is Kids:
+                node = kids.get(k)
+                if node is None:
+                    kids[k] = wmap[h] = parent = Node(k, parent, None, bit)
+                    created += 1
+                    continue
+            elif kids.key == k:
+                node = kids
+            else:
+                node = Node(k, parent, None, bit)
+                parent.kids = Kids(((kids.key, kids), (k, node)))
+                wmap[h] = parent = node
+                created += 1
+                continue
+            wmap[h] = node
+        m = node.gpu
+        if m & bit:
+            d = node.dup
+            if d is None:
+                node.dup = {dupkey: 1}
+            else:
+                d[dupkey] = d.get(dupkey, 0) + 1
+        else:
+            node.gpu = m | bit
+            added += 1
+        parent = node
+    return parent, created, added + created
+
+
+def _py_walk(node, chunks, keep: bool):
+    """Follow a query's block keys down from ``node`` while a child matches.
+
+    ``chunks`` is an iterable of key lists (hashed lazily by the caller). Returns
+    ``(depth, stops, active, path)``: ``active`` starts as every worker (-1) and
+    narrows to the workers whose GPU run is unbroken; ``stops`` gets ``(depth,
+    mask)`` where runs end. Without ``keep`` the walk also stops when no worker is
+    left; with it, ``path`` lists the nodes passed. Read-only.
+    """
+    stops: list = []
+    path: list | None = [] if keep else None
+    active = -1
+    d = 0
+    for chunk in chunks:
+        for k in chunk:
+            kids = node.kids
+            if kids is None:
+                break
+            if kids.__class__ is Kids:
+                node = kids.get(k)
+                if node is None:
+                    break
+            elif kids.key == k:
+                node = kids
+            else:
+                break
+            if keep:
+                path.append(node)
+            elif not active:
+                break
+            nm = active & node.gpu
+            if nm != active:
+                if d:
+                    stops.append((d, active ^ nm))
+                active = nm
+            d += 1
+        else:
+            continue
+        break
+    return d, stops, active, path
+
+
+# The compiled core unless it is not built or KVI_PURE_PYTHON=1 asks for the
+# pure-Python twins (the reference the tests hold the compiled core to).
+_core = None
+if os.environ.get("KVI_PURE_PYTHON", "") in ("", "0"):
+    try:
+        from . import _core
+    except ImportError:  # pragma: no cover - an install without a C compiler
+        _core = None
+
+COMPILED = _core is not None
+if _core is not None:
+    Node = _core.Node
+    Kids = _core.U64Map  # a node's children when it has several: key -> node
+    DEAD = _core.DEAD
+    insert_gpu = _core.insert_gpu
+    walk = _core.walk
+else:
+    Node = _PyNode
+    Kids = dict
+    # Freed nodes point at DEAD: a worker's hash map may still name a node that the
+    # node cap evicted; lookups treat such a node as absent and drop the mapping.
+    DEAD = Node(None, None)
+    insert_gpu = _py_insert_gpu
+    walk = _py_walk
 
 
 class Tree:
@@ -105,7 +223,7 @@ class Tree:
             node = stack.pop()
             kids = node.kids
             if kids is not None:
-                if kids.__class__ is dict:
+                if kids.__class__ is Kids:
                     stack.extend(kids.values())
                 else:
                     stack.append(kids)
@@ -123,7 +241,7 @@ class Tree:
         kids = parent.kids
         if kids is None:
             return None
-        if kids.__class__ is dict:
+        if kids.__class__ is Kids:
             return kids.get(key)
         return kids if kids.key == key else None
 
@@ -133,10 +251,10 @@ class Tree:
         kids = parent.kids
         if kids is None:
             parent.kids = node
-        elif kids.__class__ is dict:
+        elif kids.__class__ is Kids:
             kids[key] = node
         else:
-            parent.kids = {kids.key: kids, key: node}
+            parent.kids = Kids(((kids.key, kids), (key, node)))
         self.nodes += 1
         return node
 
@@ -154,7 +272,7 @@ class Tree:
             kids = parent.kids
             if kids is node:
                 parent.kids = None
-            elif kids.__class__ is dict:
+            elif kids.__class__ is Kids:
                 del kids[node.key]
                 if len(kids) == 1:
                     for only in kids.values():

@@ -1,0 +1,1003 @@
+/* indexer._core: the compiled storage of the prefix index.
+ *
+ * Why it exists: in pure Python every block costs a 64-byte node plus a 40-byte
+ * int object for its key, and every (worker, block) residency a dict slot plus a
+ * 40-byte int object for the engine's hash: ~180 bytes per resident entry. Here
+ * a node carries its key as a uint64 inside the object (64 bytes in all) and the
+ * engine-hash and child maps are open-addressing tables of (uint64, object)
+ * slots (16 bytes each, no key objects).
+ *
+ * What it holds:
+ *   Node        one block: key (uint64), parent, kids, gpu, tiers, dup. The
+ *               drop-in twin of the msgspec ``Node`` in tree.py (same
+ *               constructor, same attributes).
+ *   U64Map      a dict-like map whose int keys in [0, 2**64) live in the table;
+ *               any other key (a bytes hash, a negative int) goes to a plain
+ *               dict inside, so every key a vLLM engine can send works.
+ *   DEAD        the sentinel parent of freed nodes.
+ *   insert_gpu  the hot loop of a GPU store (tree.insert_gpu is its reference).
+ *   walk        the GPU walk of a query (tree.walk is its reference).
+ *
+ * Neither Node nor U64Map is tracked by the cycle collector: millions of them
+ * would make every collection pass slow. Parent <-> child cycles are broken by
+ * hand (Tree.free_up, Tree.clear), as with the pure-Python nodes.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+
+/* ------------------------------------------------------------------ U64Map */
+
+typedef struct {
+    uint64_t key;
+    PyObject *val; /* NULL: empty slot */
+} Slot;
+
+typedef struct {
+    PyObject_HEAD
+    Slot *slots;     /* NULL while cap == 0 */
+    Py_ssize_t cap;  /* a power of two, or 0 */
+    Py_ssize_t used; /* slots in use */
+    PyObject *other; /* dict of keys that are not ints in [0, 2**64), or NULL */
+} U64Map;
+
+static PyTypeObject U64MapType;
+static PyTypeObject NodeType;
+
+/* Keys are hashes already, but tests and some engines send small ints: mix. */
+static inline uint64_t
+mix64(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    x ^= x >> 33;
+    return x;
+}
+
+/* 1: *out holds the key; 0: not an int in [0, 2**64) (use the dict); -1: error. */
+static inline int
+as_u64(PyObject *k, uint64_t *out)
+{
+    if (!PyLong_Check(k))
+        return 0;
+    unsigned long long v = PyLong_AsUnsignedLongLong(k);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            return 0;
+        }
+        return -1;
+    }
+    *out = (uint64_t)v;
+    return 1;
+}
+
+static inline Py_ssize_t
+map_find(U64Map *m, uint64_t k)
+{
+    if (m->cap == 0)
+        return -1;
+    size_t mask = (size_t)m->cap - 1;
+    size_t i = (size_t)mix64(k) & mask;
+    for (;;) {
+        Slot *s = &m->slots[i];
+        if (s->val == NULL)
+            return -1;
+        if (s->key == k)
+            return (Py_ssize_t)i;
+        i = (i + 1) & mask;
+    }
+}
+
+static int
+map_resize(U64Map *m, Py_ssize_t newcap)
+{
+    Slot *ns = PyMem_Calloc((size_t)newcap, sizeof(Slot));
+    if (ns == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    size_t mask = (size_t)newcap - 1;
+    for (Py_ssize_t j = 0; j < m->cap; j++) {
+        Slot *s = &m->slots[j];
+        if (s->val == NULL)
+            continue;
+        size_t i = (size_t)mix64(s->key) & mask;
+        while (ns[i].val != NULL)
+            i = (i + 1) & mask;
+        ns[i] = *s;
+    }
+    PyMem_Free(m->slots);
+    m->slots = ns;
+    m->cap = newcap;
+    return 0;
+}
+
+/* Store (k, v) (a new reference is taken); replaces an existing value. */
+static int
+map_put(U64Map *m, uint64_t k, PyObject *v)
+{
+    Py_ssize_t i = map_find(m, k);
+    if (i >= 0) {
+        PyObject *old = m->slots[i].val;
+        Py_INCREF(v);
+        m->slots[i].val = v;
+        Py_DECREF(old);
+        return 0;
+    }
+    /* Load factor at most 3/4; the smallest table has 4 slots (a 2-child node). */
+    if ((m->used + 1) * 4 > m->cap * 3) {
+        if (map_resize(m, m->cap ? m->cap * 2 : 4) < 0)
+            return -1;
+    }
+    size_t mask = (size_t)m->cap - 1;
+    size_t j = (size_t)mix64(k) & mask;
+    while (m->slots[j].val != NULL)
+        j = (j + 1) & mask;
+    Py_INCREF(v);
+    m->slots[j].key = k;
+    m->slots[j].val = v;
+    m->used++;
+    return 0;
+}
+
+/* Remove slot i (backward-shift deletion: no tombstones under churn) and return
+ * its value (the caller owns the reference). Shrinks a table that went sparse,
+ * so a worker's map follows its cache down after evictions. */
+static PyObject *
+map_take(U64Map *m, size_t i)
+{
+    PyObject *v = m->slots[i].val;
+    size_t mask = (size_t)m->cap - 1;
+    size_t j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        Slot *s = &m->slots[j];
+        if (s->val == NULL)
+            break;
+        size_t h = (size_t)mix64(s->key) & mask;
+        if (((j - h) & mask) >= ((j - i) & mask)) {
+            m->slots[i] = *s;
+            i = j;
+        }
+    }
+    m->slots[i].val = NULL;
+    m->used--;
+    if (m->cap > 16 && m->used * 8 < m->cap) {
+        Py_ssize_t nc = 4;
+        while (nc * 3 < m->used * 8) /* land at a load of at most 3/8 */
+            nc *= 2;
+        if (map_resize(m, nc) < 0)
+            PyErr_Clear(); /* keep the bigger table: still correct */
+    }
+    return v;
+}
+
+static Py_ssize_t
+map_len(U64Map *m)
+{
+    Py_ssize_t n = m->used;
+    if (m->other != NULL)
+        n += PyDict_GET_SIZE(m->other);
+    return n;
+}
+
+/* Borrowed value for key, NULL when absent (*err set on a real error). */
+static inline PyObject *
+map_lookup(U64Map *m, PyObject *key, int *err)
+{
+    uint64_t k;
+    int r = as_u64(key, &k);
+    *err = 0;
+    if (r > 0) {
+        Py_ssize_t i = map_find(m, k);
+        return i < 0 ? NULL : m->slots[i].val;
+    }
+    if (r < 0) {
+        *err = 1;
+        return NULL;
+    }
+    if (m->other == NULL)
+        return NULL;
+    PyObject *v = PyDict_GetItemWithError(m->other, key);
+    if (v == NULL && PyErr_Occurred())
+        *err = 1;
+    return v;
+}
+
+static int
+map_store(U64Map *m, PyObject *key, PyObject *v)
+{
+    uint64_t k;
+    int r = as_u64(key, &k);
+    if (r > 0)
+        return map_put(m, k, v);
+    if (r < 0)
+        return -1;
+    if (m->other == NULL && (m->other = PyDict_New()) == NULL)
+        return -1;
+    return PyDict_SetItem(m->other, key, v);
+}
+
+/* New reference to the removed value; NULL with KeyError set when absent. */
+static PyObject *
+map_pop(U64Map *m, PyObject *key)
+{
+    uint64_t k;
+    int r = as_u64(key, &k);
+    if (r > 0) {
+        Py_ssize_t i = map_find(m, k);
+        if (i < 0) {
+            PyErr_SetObject(PyExc_KeyError, key);
+            return NULL;
+        }
+        return map_take(m, (size_t)i);
+    }
+    if (r < 0)
+        return NULL;
+    PyObject *v = m->other == NULL ? NULL : PyDict_GetItemWithError(m->other, key);
+    if (v == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetObject(PyExc_KeyError, key);
+        return NULL;
+    }
+    Py_INCREF(v);
+    if (PyDict_DelItem(m->other, key) < 0) {
+        Py_DECREF(v);
+        return NULL;
+    }
+    return v;
+}
+
+static void
+map_clear_all(U64Map *m)
+{
+    Slot *slots = m->slots;
+    Py_ssize_t cap = m->cap;
+    PyObject *other = m->other;
+    m->slots = NULL;
+    m->cap = 0;
+    m->used = 0;
+    m->other = NULL;
+    for (Py_ssize_t j = 0; j < cap; j++)
+        Py_XDECREF(slots[j].val);
+    PyMem_Free(slots);
+    Py_XDECREF(other);
+}
+
+static U64Map *
+map_new(void)
+{
+    U64Map *m = PyObject_New(U64Map, &U64MapType);
+    if (m == NULL)
+        return NULL;
+    m->slots = NULL;
+    m->cap = 0;
+    m->used = 0;
+    m->other = NULL;
+    return m;
+}
+
+static PyObject *
+U64Map_tp_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    if ((kwds != NULL && PyDict_GET_SIZE(kwds)) || PyTuple_GET_SIZE(args) > 1) {
+        PyErr_SetString(PyExc_TypeError, "U64Map() takes at most one mapping or iterable of pairs");
+        return NULL;
+    }
+    U64Map *m = map_new();
+    if (m == NULL)
+        return NULL;
+    if (PyTuple_GET_SIZE(args) == 1) {
+        PyObject *src = PyTuple_GET_ITEM(args, 0);
+        PyObject *d = PyDict_New();
+        if (d == NULL || PyDict_Merge(d, src, 1) < 0) {
+            /* not a mapping: an iterable of pairs */
+            if (d != NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+                PyErr_Clear();
+                if (PyDict_MergeFromSeq2(d, src, 1) == 0)
+                    goto fill;
+            }
+            Py_XDECREF(d);
+            Py_DECREF(m);
+            return NULL;
+        }
+    fill:;
+        PyObject *k, *v;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(d, &pos, &k, &v)) {
+            if (map_store(m, k, v) < 0) {
+                Py_DECREF(d);
+                Py_DECREF(m);
+                return NULL;
+            }
+        }
+        Py_DECREF(d);
+    }
+    return (PyObject *)m;
+}
+
+static void
+U64Map_dealloc(U64Map *m)
+{
+    map_clear_all(m);
+    PyObject_Free(m);
+}
+
+static Py_ssize_t
+U64Map_length(U64Map *m)
+{
+    return map_len(m);
+}
+
+static PyObject *
+U64Map_subscript(U64Map *m, PyObject *key)
+{
+    int err;
+    PyObject *v = map_lookup(m, key, &err);
+    if (v == NULL) {
+        if (!err)
+            PyErr_SetObject(PyExc_KeyError, key);
+        return NULL;
+    }
+    Py_INCREF(v);
+    return v;
+}
+
+static int
+U64Map_ass_subscript(U64Map *m, PyObject *key, PyObject *v)
+{
+    if (v != NULL)
+        return map_store(m, key, v);
+    PyObject *old = map_pop(m, key);
+    if (old == NULL)
+        return -1;
+    Py_DECREF(old);
+    return 0;
+}
+
+static int
+U64Map_contains(U64Map *m, PyObject *key)
+{
+    int err;
+    PyObject *v = map_lookup(m, key, &err);
+    return err ? -1 : v != NULL;
+}
+
+static PyObject *
+U64Map_get(U64Map *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "get() takes 1 or 2 arguments");
+        return NULL;
+    }
+    int err;
+    PyObject *v = map_lookup(m, args[0], &err);
+    if (v == NULL) {
+        if (err)
+            return NULL;
+        v = nargs == 2 ? args[1] : Py_None;
+    }
+    Py_INCREF(v);
+    return v;
+}
+
+static PyObject *
+U64Map_pop(U64Map *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "pop() takes 1 or 2 arguments");
+        return NULL;
+    }
+    PyObject *v = map_pop(m, args[0]);
+    if (v == NULL && nargs == 2 && PyErr_ExceptionMatches(PyExc_KeyError)) {
+        PyErr_Clear();
+        v = args[1];
+        Py_INCREF(v);
+    }
+    return v;
+}
+
+/* kind 0: keys, 1: values, 2: (key, value) pairs. A list (a snapshot), so the
+ * map may change while the caller walks it. */
+static PyObject *
+map_list(U64Map *m, int kind)
+{
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t j = 0; j < m->cap; j++) {
+        Slot *s = &m->slots[j];
+        if (s->val == NULL)
+            continue;
+        PyObject *item;
+        if (kind == 1) {
+            item = s->val;
+            Py_INCREF(item);
+        }
+        else {
+            PyObject *k = PyLong_FromUnsignedLongLong(s->key);
+            if (k == NULL)
+                goto fail;
+            if (kind == 0)
+                item = k;
+            else {
+                item = PyTuple_Pack(2, k, s->val);
+                Py_DECREF(k);
+                if (item == NULL)
+                    goto fail;
+            }
+        }
+        int r = PyList_Append(out, item);
+        Py_DECREF(item);
+        if (r < 0)
+            goto fail;
+    }
+    if (m->other != NULL) {
+        PyObject *rest = kind == 0 ? PyDict_Keys(m->other)
+                         : kind == 1 ? PyDict_Values(m->other) : PyDict_Items(m->other);
+        if (rest == NULL)
+            goto fail;
+        Py_ssize_t n = PyList_GET_SIZE(out);
+        int r = PyList_SetSlice(out, n, n, rest);
+        Py_DECREF(rest);
+        if (r < 0)
+            goto fail;
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+static PyObject *
+U64Map_keys(U64Map *m, PyObject *Py_UNUSED(ignored))
+{
+    return map_list(m, 0);
+}
+
+static PyObject *
+U64Map_values(U64Map *m, PyObject *Py_UNUSED(ignored))
+{
+    return map_list(m, 1);
+}
+
+static PyObject *
+U64Map_items(U64Map *m, PyObject *Py_UNUSED(ignored))
+{
+    return map_list(m, 2);
+}
+
+static PyObject *
+U64Map_clear(U64Map *m, PyObject *Py_UNUSED(ignored))
+{
+    map_clear_all(m);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+U64Map_iter(U64Map *m)
+{
+    PyObject *keys = map_list(m, 0);
+    if (keys == NULL)
+        return NULL;
+    PyObject *it = PyObject_GetIter(keys);
+    Py_DECREF(keys);
+    return it;
+}
+
+static PyObject *
+U64Map_repr(U64Map *m)
+{
+    PyObject *items = map_list(m, 2);
+    if (items == NULL)
+        return NULL;
+    PyObject *d = PyDict_New();
+    if (d == NULL || PyDict_MergeFromSeq2(d, items, 1) < 0) {
+        Py_DECREF(items);
+        Py_XDECREF(d);
+        return NULL;
+    }
+    Py_DECREF(items);
+    PyObject *r = PyUnicode_FromFormat("U64Map(%R)", d);
+    Py_DECREF(d);
+    return r;
+}
+
+static PyObject *
+U64Map_sizeof(U64Map *m, PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromSsize_t((Py_ssize_t)sizeof(U64Map) + m->cap * (Py_ssize_t)sizeof(Slot));
+}
+
+static PyMethodDef U64Map_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))U64Map_get, METH_FASTCALL, "get(key, default=None)"},
+    {"pop", (PyCFunction)(void (*)(void))U64Map_pop, METH_FASTCALL, "pop(key[, default])"},
+    {"keys", (PyCFunction)U64Map_keys, METH_NOARGS, "A list of the keys."},
+    {"values", (PyCFunction)U64Map_values, METH_NOARGS, "A list of the values."},
+    {"items", (PyCFunction)U64Map_items, METH_NOARGS, "A list of (key, value) pairs."},
+    {"clear", (PyCFunction)U64Map_clear, METH_NOARGS, "Remove every entry."},
+    {"__sizeof__", (PyCFunction)U64Map_sizeof, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMappingMethods U64Map_as_mapping = {
+    (lenfunc)U64Map_length,
+    (binaryfunc)U64Map_subscript,
+    (objobjargproc)U64Map_ass_subscript,
+};
+
+static PySequenceMethods U64Map_as_sequence = {
+    .sq_contains = (objobjproc)U64Map_contains,
+};
+
+static PyTypeObject U64MapType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "indexer._core.U64Map",
+    .tp_doc = "A dict-like map, compact for int keys in [0, 2**64) (block keys, engine hashes).",
+    .tp_basicsize = sizeof(U64Map),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = U64Map_tp_new,
+    .tp_dealloc = (destructor)U64Map_dealloc,
+    .tp_as_mapping = &U64Map_as_mapping,
+    .tp_as_sequence = &U64Map_as_sequence,
+    .tp_methods = U64Map_methods,
+    .tp_iter = (getiterfunc)U64Map_iter,
+    .tp_repr = (reprfunc)U64Map_repr,
+    .tp_hash = PyObject_HashNotImplemented,
+};
+
+/* -------------------------------------------------------------------- Node */
+
+typedef struct {
+    PyObject_HEAD
+    uint64_t key; /* the block key; 0 for the root and DEAD (their key is never read) */
+    PyObject *parent;
+    PyObject *kids; /* None, one Node, or a U64Map key -> Node */
+    PyObject *gpu;  /* int: bit mask of the workers holding the block on GPU */
+    PyObject *tiers;
+    PyObject *dup;
+} Node;
+
+static PyObject *DEAD; /* module attribute; one reference held by the module */
+static PyObject *ZERO;
+
+#define NODE_SET(field, v) do { PyObject *_o = (field); Py_INCREF(v); (field) = (v); Py_DECREF(_o); } while (0)
+
+static Node *
+node_make(uint64_t key, PyObject *parent, PyObject *gpu)
+{
+    Node *n = PyObject_New(Node, &NodeType);
+    if (n == NULL)
+        return NULL;
+    n->key = key;
+    Py_INCREF(parent);
+    n->parent = parent;
+    Py_INCREF(Py_None);
+    n->kids = Py_None;
+    Py_INCREF(gpu);
+    n->gpu = gpu;
+    Py_INCREF(Py_None);
+    n->tiers = Py_None;
+    Py_INCREF(Py_None);
+    n->dup = Py_None;
+    return n;
+}
+
+static PyObject *
+Node_vectorcall(PyObject *type, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if ((kwnames != NULL && PyTuple_GET_SIZE(kwnames)) || nargs < 2 || nargs > 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "Node(key, parent, kids=None, gpu=0, tiers=None, dup=None) takes 2 to 6 positional arguments");
+        return NULL;
+    }
+    uint64_t key = 0;
+    if (args[0] != Py_None) {
+        int r = as_u64(args[0], &key);
+        if (r <= 0) {
+            if (r == 0)
+                PyErr_SetString(PyExc_OverflowError, "a Node key is an int in [0, 2**64) or None");
+            return NULL;
+        }
+    }
+    Node *n = node_make(key, args[1], nargs > 3 ? args[3] : ZERO);
+    if (n == NULL)
+        return NULL;
+    if (nargs > 2)
+        NODE_SET(n->kids, args[2]);
+    if (nargs > 4)
+        NODE_SET(n->tiers, args[4]);
+    if (nargs > 5)
+        NODE_SET(n->dup, args[5]);
+    return (PyObject *)n;
+}
+
+static PyObject *
+Node_tp_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
+        PyErr_SetString(PyExc_TypeError, "Node() takes positional arguments only");
+        return NULL;
+    }
+    return Node_vectorcall((PyObject *)type, &PyTuple_GET_ITEM(args, 0), (size_t)PyTuple_GET_SIZE(args), NULL);
+}
+
+static void
+Node_dealloc(Node *n)
+{
+    Py_XDECREF(n->parent);
+    Py_XDECREF(n->kids);
+    Py_XDECREF(n->gpu);
+    Py_XDECREF(n->tiers);
+    Py_XDECREF(n->dup);
+    PyObject_Free(n);
+}
+
+static PyObject *
+Node_get_key(Node *n, void *Py_UNUSED(closure))
+{
+    return PyLong_FromUnsignedLongLong(n->key);
+}
+
+static PyObject *
+Node_repr(Node *n)
+{
+    return PyUnicode_FromFormat("Node(key=%llu, gpu=%R)", (unsigned long long)n->key, n->gpu ? n->gpu : Py_None);
+}
+
+static PyGetSetDef Node_getset[] = {
+    {"key", (getter)Node_get_key, NULL, "The block key (read-only).", NULL},
+    {NULL},
+};
+
+static PyMemberDef Node_members[] = {
+    {"parent", T_OBJECT, offsetof(Node, parent), 0, NULL},
+    {"kids", T_OBJECT, offsetof(Node, kids), 0, NULL},
+    {"gpu", T_OBJECT, offsetof(Node, gpu), 0, NULL},
+    {"tiers", T_OBJECT, offsetof(Node, tiers), 0, NULL},
+    {"dup", T_OBJECT, offsetof(Node, dup), 0, NULL},
+    {NULL},
+};
+
+static PyTypeObject NodeType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "indexer._core.Node",
+    .tp_doc = "One block of a prefix tree (see tree.py).",
+    .tp_basicsize = sizeof(Node),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = Node_tp_new,
+    .tp_vectorcall = Node_vectorcall,
+    .tp_dealloc = (destructor)Node_dealloc,
+    .tp_getset = Node_getset,
+    .tp_members = Node_members,
+    .tp_repr = (reprfunc)Node_repr,
+};
+
+#define IS_NODE(o) (Py_TYPE(o) == &NodeType)
+#define IS_MAP(o) (Py_TYPE(o) == &U64MapType)
+
+/* The child of `parent` keyed k (borrowed), or NULL. */
+static inline PyObject *
+child_of(Node *parent, uint64_t k)
+{
+    PyObject *kids = parent->kids;
+    if (IS_NODE(kids))
+        return ((Node *)kids)->key == k ? kids : NULL;
+    if (IS_MAP(kids)) {
+        Py_ssize_t i = map_find((U64Map *)kids, k);
+        return i < 0 ? NULL : ((U64Map *)kids)->slots[i].val;
+    }
+    return NULL;
+}
+
+/* R-APP-4: one more announcement of a block the worker already holds. */
+static int
+dup_add(Node *n, PyObject *dupkey)
+{
+    PyObject *d = n->dup;
+    if (d == Py_None) {
+        d = PyDict_New();
+        if (d == NULL)
+            return -1;
+        PyObject *one = PyLong_FromLong(1);
+        int r = one == NULL ? -1 : PyDict_SetItem(d, dupkey, one);
+        Py_XDECREF(one);
+        if (r < 0) {
+            Py_DECREF(d);
+            return -1;
+        }
+        NODE_SET(n->dup, d);
+        Py_DECREF(d);
+        return 0;
+    }
+    if (!PyDict_Check(d)) {
+        PyErr_SetString(PyExc_TypeError, "Node.dup must be None or a dict");
+        return -1;
+    }
+    PyObject *c = PyDict_GetItemWithError(d, dupkey);
+    long v = 0;
+    if (c != NULL) {
+        v = PyLong_AsLong(c);
+        if (v == -1 && PyErr_Occurred())
+            return -1;
+    }
+    else if (PyErr_Occurred())
+        return -1;
+    PyObject *nv = PyLong_FromLong(v + 1);
+    if (nv == NULL)
+        return -1;
+    int r = PyDict_SetItem(d, dupkey, nv);
+    Py_DECREF(nv);
+    return r;
+}
+
+/* Borrowed node the worker maps under hash h, or NULL; (*err) on error. */
+static inline PyObject *
+wmap_get(U64Map *wmap, PyObject *h, int *err)
+{
+    return map_lookup(wmap, h, err);
+}
+
+PyDoc_STRVAR(insert_gpu_doc,
+"insert_gpu(wmap, parent, hashes, keys, bit, dupkey) -> (last, created, new)\n\n"
+"Attach a GPU store's blocks under `parent` for one worker: a hash the worker\n"
+"already maps keeps its node (R-APP-2); a new block reuses the child with its key\n"
+"or gets a new node born holding `bit`; a block the worker already holds counts\n"
+"one more announcement under `dupkey` in node.dup (R-APP-4). Changes the tree,\n"
+"`wmap` and the nodes' gpu and dup. Returns the last node, the nodes created\n"
+"and the residencies added. Same steps as tree.insert_gpu.");
+
+static PyObject *
+insert_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6 || !IS_MAP(args[0]) || !IS_NODE(args[1]) || !PyList_Check(args[2]) || !PyList_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "insert_gpu(U64Map, Node, list, list, int, int)");
+        return NULL;
+    }
+    U64Map *wmap = (U64Map *)args[0];
+    Node *parent = (Node *)args[1];
+    PyObject *hashes = args[2], *keys = args[3], *bit = args[4], *dupkey = args[5];
+    Py_ssize_t n = PyList_GET_SIZE(hashes);
+    if (PyList_GET_SIZE(keys) < n) {
+        PyErr_SetString(PyExc_ValueError, "fewer keys than hashes");
+        return NULL;
+    }
+    Py_ssize_t created = 0, added = 0;
+    Py_INCREF(parent);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = PyList_GET_ITEM(hashes, i);
+        int err;
+        Node *node = (Node *)wmap_get(wmap, h, &err);
+        if (err)
+            goto fail;
+        if (node == NULL || node->parent == DEAD) {
+            uint64_t k;
+            int r = as_u64(PyList_GET_ITEM(keys, i), &k);
+            if (r <= 0) {
+                if (r == 0)
+                    PyErr_SetString(PyExc_OverflowError, "a block key is an int in [0, 2**64)");
+                goto fail;
+            }
+            node = (Node *)child_of(parent, k);
+            if (node == NULL) {
+                /* A new block: born holding the worker's bit. */
+                Node *nn = node_make(k, (PyObject *)parent, bit);
+                if (nn == NULL)
+                    goto fail;
+                PyObject *kids = parent->kids;
+                int ok = 0;
+                if (kids == Py_None) {
+                    NODE_SET(parent->kids, (PyObject *)nn);
+                }
+                else if (IS_MAP(kids)) {
+                    ok = map_put((U64Map *)kids, k, (PyObject *)nn);
+                }
+                else { /* one child with another key: the node branches */
+                    U64Map *km = map_new();
+                    if (km == NULL || map_put(km, ((Node *)kids)->key, kids) < 0 ||
+                        map_put(km, k, (PyObject *)nn) < 0) {
+                        Py_XDECREF(km);
+                        ok = -1;
+                    }
+                    else {
+                        NODE_SET(parent->kids, (PyObject *)km);
+                        Py_DECREF(km);
+                    }
+                }
+                if (ok < 0 || map_store(wmap, h, (PyObject *)nn) < 0) {
+                    Py_DECREF(nn); /* out of memory: the index is past saving */
+                    goto fail;
+                }
+                created++;
+                Py_DECREF(parent);
+                parent = nn; /* owns the reference from node_make */
+                continue;
+            }
+            if (map_store(wmap, h, (PyObject *)node) < 0)
+                goto fail;
+        }
+        PyObject *m = node->gpu;
+        PyObject *x = PyNumber_And(m, bit);
+        if (x == NULL)
+            goto fail;
+        int held = PyObject_IsTrue(x);
+        Py_DECREF(x);
+        if (held < 0)
+            goto fail;
+        if (held) {
+            if (dup_add(node, dupkey) < 0)
+                goto fail;
+        }
+        else {
+            PyObject *nm = PyNumber_Or(m, bit);
+            if (nm == NULL)
+                goto fail;
+            node->gpu = nm;
+            Py_DECREF(m);
+            added++;
+        }
+        Py_INCREF(node);
+        Py_DECREF(parent);
+        parent = node;
+    }
+    PyObject *res = Py_BuildValue("(Nnn)", (PyObject *)parent, created, added + created);
+    return res;
+fail:
+    Py_DECREF(parent);
+    return NULL;
+}
+
+PyDoc_STRVAR(walk_doc,
+"walk(root, chunks, keep_path) -> (depth, stops, active, path)\n\n"
+"Follow the query's block keys (an iterable of lists) down from `root` while a\n"
+"child matches. `active` starts as every worker (-1) and narrows to the workers\n"
+"whose GPU run is unbroken; `stops` gets (depth, mask) where runs end. Without\n"
+"`keep_path` the walk also stops when no worker is left; with it, `path` lists\n"
+"the nodes passed (for the other tiers' chunk scan). Read-only. Same steps as\n"
+"tree.walk.");
+
+static PyObject *
+walk(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !IS_NODE(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "walk(Node, iterable of lists, bool)");
+        return NULL;
+    }
+    Node *node = (Node *)args[0];
+    int keep = PyObject_IsTrue(args[2]);
+    if (keep < 0)
+        return NULL;
+    PyObject *stops = PyList_New(0);
+    PyObject *path = keep ? PyList_New(0) : (Py_INCREF(Py_None), Py_None);
+    PyObject *active = PyLong_FromLong(-1);
+    PyObject *it = NULL, *chunk = NULL;
+    Py_ssize_t d = 0;
+    if (stops == NULL || path == NULL || active == NULL)
+        goto fail;
+    it = PyObject_GetIter(args[1]);
+    if (it == NULL)
+        goto fail;
+    int done = 0;
+    while (!done && (chunk = PyIter_Next(it)) != NULL) {
+        PyObject *seq = PySequence_Fast(chunk, "walk: key chunks must be sequences");
+        Py_DECREF(chunk);
+        chunk = NULL;
+        if (seq == NULL)
+            goto fail;
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        PyObject **items = PySequence_Fast_ITEMS(seq);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint64_t k;
+            int r = as_u64(items[i], &k);
+            if (r < 0) {
+                Py_DECREF(seq);
+                goto fail;
+            }
+            Node *next = r ? (Node *)child_of(node, k) : NULL;
+            if (next == NULL) {
+                done = 1;
+                break;
+            }
+            node = next;
+            if (keep) {
+                if (PyList_Append(path, (PyObject *)node) < 0) {
+                    Py_DECREF(seq);
+                    goto fail;
+                }
+            }
+            else {
+                int t = PyObject_IsTrue(active);
+                if (t < 0) {
+                    Py_DECREF(seq);
+                    goto fail;
+                }
+                if (!t) {
+                    done = 1;
+                    break;
+                }
+            }
+            PyObject *nm = PyNumber_And(active, node->gpu);
+            if (nm == NULL) {
+                Py_DECREF(seq);
+                goto fail;
+            }
+            int same = nm == active ? 1 : PyObject_RichCompareBool(nm, active, Py_EQ);
+            if (same < 0) {
+                Py_DECREF(nm);
+                Py_DECREF(seq);
+                goto fail;
+            }
+            if (!same) {
+                if (d) {
+                    PyObject *gone = PyNumber_Xor(active, nm);
+                    PyObject *st = gone == NULL ? NULL : Py_BuildValue("(nN)", d, gone);
+                    if (st == NULL || PyList_Append(stops, st) < 0) {
+                        Py_XDECREF(st);
+                        Py_DECREF(nm);
+                        Py_DECREF(seq);
+                        goto fail;
+                    }
+                    Py_DECREF(st);
+                }
+                Py_DECREF(active);
+                active = nm;
+            }
+            else
+                Py_DECREF(nm);
+            d++;
+        }
+        Py_DECREF(seq);
+    }
+    if (PyErr_Occurred())
+        goto fail;
+    Py_DECREF(it);
+    return Py_BuildValue("(nNNN)", d, stops, active, path);
+fail:
+    Py_XDECREF(it);
+    Py_XDECREF(stops);
+    Py_XDECREF(path);
+    Py_XDECREF(active);
+    return NULL;
+}
+
+static PyMethodDef core_methods[] = {
+    {"insert_gpu", (PyCFunction)(void (*)(void))insert_gpu, METH_FASTCALL, insert_gpu_doc},
+    {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL, walk_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef core_module = {
+    PyModuleDef_HEAD_INIT, "indexer._core",
+    "Compiled storage of the prefix index: Node, U64Map and the two hot loops.", -1, core_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__core(void)
+{
+    if (PyType_Ready(&U64MapType) < 0 || PyType_Ready(&NodeType) < 0)
+        return NULL;
+    PyObject *mod = PyModule_Create(&core_module);
+    if (mod == NULL)
+        return NULL;
+    ZERO = PyLong_FromLong(0);
+    DEAD = (PyObject *)node_make(0, Py_None, ZERO);
+    if (DEAD == NULL)
+        goto fail;
+    Py_INCREF(&U64MapType);
+    Py_INCREF(&NodeType);
+    if (PyModule_AddObject(mod, "U64Map", (PyObject *)&U64MapType) < 0 ||
+        PyModule_AddObject(mod, "Node", (PyObject *)&NodeType) < 0)
+        goto fail;
+    Py_INCREF(DEAD); /* one for the module attribute, one kept by this file */
+    if (PyModule_AddObject(mod, "DEAD", DEAD) < 0)
+        goto fail;
+    return mod;
+fail:
+    Py_DECREF(mod);
+    return NULL;
+}
