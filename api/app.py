@@ -28,6 +28,7 @@ from indexer import PrefixIndex
 from indexer.index import ModelRequiredError
 from indexer.discovery import DnsDiscovery
 from indexer.ingest import EngineConfig, Indexer
+from indexer.keys import json_tokens_to_bytes
 from indexer.route import Load, route
 
 from . import dynamo, schemas
@@ -48,12 +49,14 @@ Handler = Callable[[Any], Awaitable[tuple[int, Any]]]
 class _Route:
     """One JSON POST route: its request type, decoder and handler."""
 
-    __slots__ = ("path", "rtype", "decoder", "handler", "hot", "error_key")
+    __slots__ = ("path", "rtype", "decoder", "raw_decoder", "handler", "hot", "error_key")
 
     def __init__(self, path: str, rtype: type | None, handler: Handler, hot: bool, error_key: str) -> None:
         self.path = path
         self.rtype = rtype
         self.decoder = msgspec.json.Decoder(rtype) if rtype is not None else None
+        twin = schemas.raw_tokens_twin(rtype) if rtype is not None else None
+        self.raw_decoder = msgspec.json.Decoder(twin) if twin is not None else None
         self.handler = handler
         self.hot = hot
         self.error_key = error_key  # "detail" (ours, FastAPI's) or "error" (Dynamo's)
@@ -113,26 +116,29 @@ class Service:
         self.observe(path, t0, res)
         return 200, out
 
-    def check_tokens(self, n: int) -> None:
+    def check_tokens(self, items) -> None:
+        """413 when a request carries more token ids (a list, or their uint32 bytes) or
+        block keys than ``max_request_tokens`` (R-BAD-2)."""
+        n = len(items) >> 2 if items.__class__ is bytes else len(items)
         if n > self.settings.max_request_tokens:
             raise HTTPError(413, f"{n} tokens exceed the limit of {self.settings.max_request_tokens} per request")
 
     # --------------------------------------------------------------- queries
 
     async def match(self, q: schemas.MatchRequest):
-        self.check_tokens(len(q.token_ids))
+        self.check_tokens(q.token_ids)
         t0 = time.perf_counter()
         res = self.index.match(q.token_ids, model=q.model, lora_name=q.lora_name, cache_salt=q.cache_salt)
         return self.answer("/v1/match", t0, res)
 
     async def match_by_keys(self, q: schemas.MatchByKeysRequest):
-        self.check_tokens(len(q.block_keys))
+        self.check_tokens(q.block_keys)
         t0 = time.perf_counter()
         res = self.index.match_by_keys(u64_keys(q.block_keys), model=q.model)
         return self.answer("/v1/match_by_keys", t0, res)
 
     async def route_request(self, q: schemas.RouteRequest):
-        self.check_tokens(len(q.token_ids))
+        self.check_tokens(q.token_ids)
         t0 = time.perf_counter()
         res = self.index.match(q.token_ids, model=q.model, lora_name=q.lora_name, cache_salt=q.cache_salt)
         try:
@@ -198,7 +204,23 @@ def engine_dict(cfg: EngineConfig) -> dict:
 
 def _decode(route: _Route, body: bytes):
     """One strict typed decode; on a type error, once more with integral floats (``58.0``)
-    read as the integers JSON Schema says they are. Strings are never numbers."""
+    read as the integers JSON Schema says they are. Strings are never numbers.
+
+    Requests with ``token_ids`` first try the raw twin: the other fields decoded and
+    validated as usual, the array read in C into uint32 bytes. Anything that path
+    declines (a bad field, an empty array, a float, a token out of range) goes the
+    typed way, so every answer and error is the typed decoder's."""
+    raw = route.raw_decoder
+    if raw is not None:
+        try:
+            q = raw.decode(body)
+        except msgspec.DecodeError:
+            q = None
+        if q is not None:
+            buf = json_tokens_to_bytes(q.token_ids)
+            if buf:
+                q.token_ids = buf
+                return q
     try:
         return route.decoder.decode(body)
     except msgspec.ValidationError:

@@ -100,7 +100,7 @@ class Dynamo:
         return 200, OK
 
     async def query(self, q: schemas.DynQuery):
-        self.svc.check_tokens(len(q.token_ids))
+        self.svc.check_tokens(q.token_ids)
         t0 = time.perf_counter()
         model = self.model(q.model_name, q.routing_group)
         try:
@@ -115,7 +115,7 @@ class Dynamo:
         if q.cache_salt is not None:
             raise HTTPError(400, "cache_salt is not accepted by /query_by_hash; block_hashes must already "
                                  "include the intended cache salt")
-        self.svc.check_tokens(len(q.block_hashes))
+        self.svc.check_tokens(q.block_hashes)
         keys = u64_keys(q.block_hashes)  # the input is checked before the model is looked up
         t0 = time.perf_counter()
         model = self.model(q.model_name, q.routing_group)

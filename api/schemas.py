@@ -197,6 +197,29 @@ class DynQueryResponse(msgspec.Struct):
     instances: dict[str, DynInstance]
 
 
+def raw_tokens_twin(cls: type) -> type | None:
+    """``cls`` with ``token_ids`` kept as raw JSON (None when it has no ``token_ids``).
+
+    The hot routes decode with it and read the array in C
+    (:func:`indexer.keys.json_tokens_to_bytes`), with no Python int per token; every
+    other field is validated exactly as by ``cls``. Not frozen, so the handler can
+    swap the raw array for its bytes in place."""
+    fields = msgspec.structs.fields(cls)
+    if not any(f.name == "token_ids" for f in fields):
+        return None
+    spec = []
+    for f in fields:
+        t = msgspec.Raw if f.name == "token_ids" else f.type
+        if f.default is not msgspec.NODEFAULT:
+            spec.append((f.name, t, f.default))
+        elif f.default_factory is not msgspec.NODEFAULT:
+            spec.append((f.name, t, msgspec.field(default_factory=f.default_factory)))
+        else:
+            spec.append((f.name, t))
+    forbid = getattr(cls, "__struct_config__").forbid_unknown_fields
+    return msgspec.defstruct(cls.__name__ + "Raw", spec, kw_only=True, forbid_unknown_fields=forbid)
+
+
 REQUEST_TYPES: dict[str, Any] = {
     "MatchRequest": MatchRequest,
     "MatchByKeysRequest": MatchByKeysRequest,

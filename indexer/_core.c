@@ -17,6 +17,13 @@
  *   DEAD        the sentinel parent of freed nodes.
  *   insert_gpu  the hot loop of a GPU store (tree.insert_gpu is its reference).
  *   walk        the GPU walk of a query (tree.walk is its reference).
+ *   block_keys  xxh3-64 of each block of little-endian uint32 tokens (keys.py
+ *               documents the key; keys._py_block_keys is the reference).
+ *   tokens_from_msgpack, tokens_from_json
+ *               a raw token-id array (an event's msgpack, a request's JSON)
+ *               straight to little-endian uint32 bytes, with no Python int per
+ *               token; None when the input is anything but a plain array of
+ *               uint32, so the caller's typed decoder can say what is wrong.
  *
  * Neither Node nor U64Map is tracked by the cycle collector: millions of them
  * would make every collection pass slow. Parent <-> child cycles are broken by
@@ -26,6 +33,12 @@
 #include <Python.h>
 #include <structmember.h>
 #include <stdint.h>
+#include <string.h>
+
+/* xxHash 0.8.4 (BSD-2-Clause, vendor/LICENSE.xxhash): the version the `xxhash`
+ * wheel bundles, so keys are bit-identical to xxhash.xxh3_64_intdigest. */
+#define XXH_INLINE_ALL
+#include "vendor/xxhash.h"
 
 /* ------------------------------------------------------------------ U64Map */
 
@@ -965,7 +978,276 @@ fail:
     return NULL;
 }
 
+
+/* ------------------------------------------------------ keys and token ids */
+
+PyDoc_STRVAR(block_keys_doc,
+"block_keys(buf, block_size, seed, limit=-1, start=0) -> list[int]\n\n"
+"xxh3-64 of each full block `start` .. `limit` (-1: all) of `buf`, little-endian\n"
+"uint32 token ids; `seed` is one int or one per block, indexed from block 0.");
+
+static PyObject *
+block_keys(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 3 || nargs > 5) {
+        PyErr_SetString(PyExc_TypeError, "block_keys(buf, block_size, seed, limit=-1, start=0)");
+        return NULL;
+    }
+    Py_ssize_t bs = PyLong_AsSsize_t(args[1]);
+    if (bs == -1 && PyErr_Occurred())
+        return NULL;
+    if (bs <= 0) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be positive");
+        return NULL;
+    }
+    Py_ssize_t limit = -1, start = 0;
+    if (nargs > 3 && args[3] != Py_None && ((limit = PyLong_AsSsize_t(args[3])) == -1 && PyErr_Occurred()))
+        return NULL;
+    if (nargs > 4 && ((start = PyLong_AsSsize_t(args[4])) == -1 && PyErr_Occurred()))
+        return NULL;
+    uint64_t seed = 0;
+    PyObject *seeds = NULL; /* a sequence: one seed per block */
+    if (PyLong_Check(args[2])) {
+        if (as_u64(args[2], &seed) <= 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_OverflowError, "seed must be in [0, 2**64)");
+            return NULL;
+        }
+    }
+    else {
+        seeds = PySequence_Fast(args[2], "seed must be an int or a sequence of ints");
+        if (seeds == NULL)
+            return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+        Py_XDECREF(seeds);
+        return NULL;
+    }
+    size_t step = (size_t)bs * 4;
+    Py_ssize_t n = (Py_ssize_t)((size_t)view.len / step);
+    if (limit >= 0 && limit < n)
+        n = limit;
+    if (start < 0)
+        start = 0;
+    if (seeds != NULL && PySequence_Fast_GET_SIZE(seeds) < n) {
+        PyErr_SetString(PyExc_ValueError, "fewer seeds than blocks");
+        goto fail;
+    }
+    PyObject *out = PyList_New(n > start ? n - start : 0);
+    if (out == NULL)
+        goto fail;
+    const char *p = (const char *)view.buf;
+    for (Py_ssize_t j = start; j < n; j++) {
+        uint64_t sj = seed;
+        if (seeds != NULL && as_u64(PySequence_Fast_GET_ITEM(seeds, j), &sj) <= 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_OverflowError, "seed must be in [0, 2**64)");
+            Py_DECREF(out);
+            goto fail;
+        }
+        PyObject *k = PyLong_FromUnsignedLongLong(XXH3_64bits_withSeed(p + (size_t)j * step, step, sj));
+        if (k == NULL) {
+            Py_DECREF(out);
+            goto fail;
+        }
+        PyList_SET_ITEM(out, j - start, k);
+    }
+    PyBuffer_Release(&view);
+    Py_XDECREF(seeds);
+    return out;
+fail:
+    PyBuffer_Release(&view);
+    Py_XDECREF(seeds);
+    return NULL;
+}
+
+static inline void
+put_le32(unsigned char *o, uint32_t v)
+{
+    o[0] = (unsigned char)v;
+    o[1] = (unsigned char)(v >> 8);
+    o[2] = (unsigned char)(v >> 16);
+    o[3] = (unsigned char)(v >> 24);
+}
+
+static inline uint64_t
+be(const unsigned char *p, int n)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < n; i++)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+PyDoc_STRVAR(tokens_from_msgpack_doc,
+"tokens_from_msgpack(raw) -> bytes | None\n\n"
+"A msgpack array of ints in [0, 2**32) (an event's token_ids) as little-endian\n"
+"uint32 bytes; None for anything else (nil, other types, out of range, trailing bytes).");
+
+static PyObject *
+tokens_from_msgpack(PyObject *Py_UNUSED(mod), PyObject *raw)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    const unsigned char *p = view.buf, *end = p + view.len;
+    PyObject *out = NULL;
+    uint64_t n;
+    if (p >= end)
+        goto none;
+    if (*p >= 0x90 && *p <= 0x9f) {
+        n = *p & 0x0f;
+        p += 1;
+    }
+    else if (*p == 0xdc && end - p >= 3) {
+        n = be(p + 1, 2);
+        p += 3;
+    }
+    else if (*p == 0xdd && end - p >= 5) {
+        n = be(p + 1, 4);
+        p += 5;
+    }
+    else
+        goto none;
+    if (n > (uint64_t)(end - p)) /* every element takes at least one byte */
+        goto none;
+    out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * 4));
+    if (out == NULL)
+        goto done;
+    unsigned char *o = (unsigned char *)PyBytes_AS_STRING(out);
+    for (uint64_t i = 0; i < n; i++) {
+        if (p >= end)
+            goto none;
+        unsigned char c = *p;
+        uint64_t v;
+        int w;
+        if (c <= 0x7f) {
+            v = c;
+            w = 0;
+        }
+        else if (c >= 0xcc && c <= 0xcf) { /* uint 8/16/32/64 */
+            w = 1 << (c - 0xcc);
+            if (end - p < 1 + w)
+                goto none;
+            v = be(p + 1, w);
+        }
+        else if (c >= 0xd0 && c <= 0xd3) { /* int 8/16/32/64: only non-negative values */
+            w = 1 << (c - 0xd0);
+            if (end - p < 1 + w || (p[1] & 0x80))
+                goto none;
+            v = be(p + 1, w);
+        }
+        else
+            goto none;
+        if (v > 0xffffffffULL)
+            goto none;
+        put_le32(o + i * 4, (uint32_t)v);
+        p += 1 + w;
+    }
+    if (p != end)
+        goto none;
+    goto done;
+none:
+    Py_XDECREF(out);
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    PyBuffer_Release(&view);
+    return out;
+}
+
+PyDoc_STRVAR(tokens_from_json_doc,
+"tokens_from_json(raw) -> bytes | None\n\n"
+"A JSON array of integers in [0, 2**32) (a request's token_ids) as little-endian\n"
+"uint32 bytes; None for anything else (signs, fractions, exponents, leading\n"
+"zeros, other types, out of range), which the typed decoder then explains.");
+
+static inline int
+json_ws(unsigned char c)
+{
+    return c == ' ' || c == '\n' || c == '\r' || c == '\t';
+}
+
+static PyObject *
+tokens_from_json(PyObject *Py_UNUSED(mod), PyObject *raw)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    const unsigned char *p = view.buf, *end = p + view.len;
+    PyObject *out = NULL;
+    /* Every token takes at least two bytes ("1,"): an upper bound for the buffer. */
+    Py_ssize_t cap = view.len / 2 + 1, n = 0;
+    out = PyBytes_FromStringAndSize(NULL, cap * 4);
+    if (out == NULL)
+        goto done;
+    unsigned char *o = (unsigned char *)PyBytes_AS_STRING(out);
+    while (p < end && json_ws(*p))
+        p++;
+    if (p >= end || *p != '[')
+        goto none;
+    p++;
+    while (p < end && json_ws(*p))
+        p++;
+    if (p < end && *p == ']') {
+        p++;
+    }
+    else {
+        for (;;) {
+            if (p >= end || *p < '0' || *p > '9')
+                goto none;
+            if (*p == '0' && p + 1 < end && p[1] >= '0' && p[1] <= '9')
+                goto none; /* a leading zero is not JSON */
+            uint64_t v = 0;
+            int digits = 0;
+            while (p < end && *p >= '0' && *p <= '9') {
+                v = v * 10 + (uint64_t)(*p - '0');
+                p++;
+                if (++digits > 10)
+                    goto none;
+            }
+            if (v > 0xffffffffULL || n >= cap)
+                goto none;
+            put_le32(o + n * 4, (uint32_t)v);
+            n++;
+            while (p < end && json_ws(*p))
+                p++;
+            if (p >= end)
+                goto none;
+            if (*p == ',') {
+                p++;
+                while (p < end && json_ws(*p))
+                    p++;
+                continue;
+            }
+            if (*p == ']') {
+                p++;
+                break;
+            }
+            goto none; /* '.', 'e', or anything else: the typed decoder decides */
+        }
+    }
+    while (p < end && json_ws(*p))
+        p++;
+    if (p != end)
+        goto none;
+    if (_PyBytes_Resize(&out, n * 4) < 0)
+        out = NULL;
+    goto done;
+none:
+    Py_XDECREF(out);
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    PyBuffer_Release(&view);
+    return out;
+}
+
 static PyMethodDef core_methods[] = {
+    {"block_keys", (PyCFunction)(void (*)(void))block_keys, METH_FASTCALL, block_keys_doc},
+    {"tokens_from_msgpack", (PyCFunction)tokens_from_msgpack, METH_O, tokens_from_msgpack_doc},
+    {"tokens_from_json", (PyCFunction)tokens_from_json, METH_O, tokens_from_json_doc},
     {"insert_gpu", (PyCFunction)(void (*)(void))insert_gpu, METH_FASTCALL, insert_gpu_doc},
     {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL, walk_doc},
     {NULL, NULL, 0, NULL},
@@ -973,7 +1255,7 @@ static PyMethodDef core_methods[] = {
 
 static struct PyModuleDef core_module = {
     PyModuleDef_HEAD_INIT, "indexer._core",
-    "Compiled storage of the prefix index: Node, U64Map and the two hot loops.", -1, core_methods,
+    "Compiled core of the prefix index: Node, U64Map, the hot loops, block keys and token parsing.", -1, core_methods,
 };
 
 PyMODINIT_FUNC

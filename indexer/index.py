@@ -28,7 +28,7 @@ from .keys import KEY_SEED, block_keys, query_extra_keys, seeds_for_blocks, toke
 from .result import MatchResult, WorkerMatch
 from .route import route
 from .tree import DEAD, MAX_TIERS, Kids, Node, Tree, insert_gpu, walk
-from .wire import REMOVED, STORED, DecodeError, decode_batch, decode_tokens, raw_array_len
+from .wire import REMOVED, STORED, DecodeError, decode_batch, raw_array_len, token_bytes
 
 __all__ = ["PrefixIndex", "DEFAULT_CREDITS", "DEFAULT_GROUP_KINDS"]
 
@@ -454,8 +454,7 @@ class PrefixIndex:
     @staticmethod
     def _event_keys(ev, block_size: int, n: int):
         try:
-            tokens = decode_tokens(ev.token_ids)
-            buf = tokens_to_bytes(tokens)
+            buf = token_bytes(ev.token_ids)
         except (msgspec.DecodeError, OverflowError, TypeError, ValueError):
             return None
         lora = ev.lora_name
@@ -885,8 +884,10 @@ class PrefixIndex:
     ) -> MatchResult:
         """Longest-prefix match of a prompt for every worker of ``model`` (R-Q-1, R-Q-2).
 
-        Keys are computed for every full block at each group's block size; a
-        trailing partial block is ignored. Read-only (R-Q-4).
+        ``token_ids`` are ints, or already their little-endian uint32 bytes (as
+        :func:`indexer.keys.json_tokens_to_bytes` makes them). Keys are computed
+        for every full block at each group's block size; a trailing partial block
+        is ignored. Read-only (R-Q-4).
 
         Raises
         ------
@@ -895,7 +896,7 @@ class PrefixIndex:
         OverflowError, TypeError
             When a token id is not an int in ``[0, 2**32-1]``.
         """
-        buf = tokens_to_bytes(token_ids)
+        buf = token_ids if token_ids.__class__ is bytes else tokens_to_bytes(token_ids)
         ntok = len(buf) // 4
         self.readers_waiting.append(None)
         with self._lock:

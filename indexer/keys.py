@@ -29,12 +29,15 @@ from typing import Any, Iterable, Sequence
 import msgspec
 import xxhash
 
+from ._compiled import core as _core
+
 __all__ = [
     "KEY_SEED",
     "block_keys",
     "namespace_seed",
     "seeds_for_blocks",
     "tokens_to_bytes",
+    "json_tokens_to_bytes",
 ]
 
 KEY_SEED = 1337
@@ -142,6 +145,8 @@ def block_keys(
     block, indexed from block 0 (see :func:`seeds_for_blocks`).
     """
     buf = token_ids if isinstance(token_ids, (bytes, bytearray)) else tokens_to_bytes(token_ids)
+    if _c_block_keys is not None:
+        return _c_block_keys(buf, block_size, seed, -1 if limit is None else limit, start)
     step = block_size * 4
     n = len(buf) // step
     if limit is not None and limit < n:
@@ -152,6 +157,16 @@ def block_keys(
         # Slicing bytes (a 64-byte copy) beats a memoryview slice object here.
         return [_xxh3(buf[i : i + step], seed) for i in range(start * step, n * step, step)]
     return [_xxh3(buf[j * step : (j + 1) * step], seed[j]) for j in range(start, n)]
+
+
+_c_block_keys = _core.block_keys if _core is not None else None
+
+
+def json_tokens_to_bytes(raw) -> bytes | None:
+    """A request's raw JSON ``token_ids`` array as little-endian uint32 bytes, without
+    a Python int per token; None when it is not a plain array of uint32 (or there is
+    no compiled core): the caller's typed decoder then decodes it and says what is wrong."""
+    return _core.tokens_from_json(raw) if _core is not None else None
 
 
 def query_extra_keys(

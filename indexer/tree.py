@@ -28,10 +28,12 @@ fallback when the module is not built and the reference the tests hold it to.
 from __future__ import annotations
 
 import heapq
-import os
 from typing import Any
 
 from msgspec import Struct
+
+from ._compiled import COMPILED
+from ._compiled import core as _core
 
 __all__ = ["Node", "Tree", "DEAD", "MAX_TIERS", "Kids", "COMPILED", "insert_gpu", "walk"]
 
@@ -148,17 +150,9 @@ def _py_walk(node, chunks, keep: bool):
     return d, stops, active, path
 
 
-# The compiled core unless it is not built or KVI_PURE_PYTHON=1 asks for the
-# pure-Python twins (the reference the tests hold the compiled core to).
-_core = None
-if os.environ.get("KVI_PURE_PYTHON", "") in ("", "0"):
-    try:
-        from . import _core
-    except ImportError:  # pragma: no cover - an install without a C compiler
-        _core = None
-
-COMPILED = _core is not None
-if _core is not None:
+# Freed nodes point at DEAD: a worker's hash map may still name a node that the
+# node cap evicted; lookups treat such a node as absent and drop the mapping.
+if _core is not None:  # see _compiled.py
     Node = _core.Node
     Kids = _core.U64Map  # a node's children when it has several: key -> node
     DEAD = _core.DEAD
@@ -167,8 +161,6 @@ if _core is not None:
 else:
     Node = _PyNode
     Kids = dict
-    # Freed nodes point at DEAD: a worker's hash map may still name a node that the
-    # node cap evicted; lookups treat such a node as absent and drop the mapping.
     DEAD = Node(None, None)
     insert_gpu = _py_insert_gpu
     walk = _py_walk

@@ -27,6 +27,9 @@ from typing import Any, ClassVar, Union
 import msgspec
 from msgspec import Raw, Struct
 
+from ._compiled import core as _core
+from .keys import tokens_to_bytes
+
 __all__ = [
     "STORED",
     "REMOVED",
@@ -37,6 +40,7 @@ __all__ = [
     "peek_ts",
     "raw_array_len",
     "decode_tokens",
+    "token_bytes",
 ]
 
 STORED = 0
@@ -322,3 +326,17 @@ def decode_tokens(raw: Raw) -> list[int]:
     if memoryview(raw)[:1] == b"\xc0":
         return []
     return _tokens.decode(raw)
+
+
+_c_tokens = _core.tokens_from_msgpack if _core is not None else None
+
+
+def token_bytes(raw: Raw) -> bytes:
+    """A raw ``token_ids`` array as little-endian uint32 bytes (the compiled core reads
+    it with no Python int per token). Raises like :func:`decode_tokens`, and
+    ``OverflowError`` for a token outside ``[0, 2**32-1]``."""
+    if _c_tokens is not None:
+        b = _c_tokens(raw)
+        if b is not None:
+            return b
+    return tokens_to_bytes(decode_tokens(raw))

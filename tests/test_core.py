@@ -1,0 +1,321 @@
+"""The compiled core (``indexer/_core.c``) against its pure-Python references.
+
+* ``U64Map`` behaves as a dict for every key an engine can send (u64 ints in the
+  table; bytes, negative and huge ints in its side dict), through growth,
+  backward-shift deletion and shrinking;
+* ``Node``, ``insert_gpu`` and ``walk`` do what tree.py's pure twins do;
+* ``block_keys`` is xxh3-64 of each block (R-KEY-2); the token readers accept
+  exactly the plain uint32 arrays and decline everything else;
+* the request decoder's C path gives the typed decoder's answer or error;
+* the pure-Python build (``KVI_PURE_PYTHON=1``) still passes the index's tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from indexer import tree
+
+core = pytest.importorskip("indexer._core")
+ROOT = Path(__file__).resolve().parents[1]
+
+# Keys an engine can send: u64 ints (dense and sparse), and what the side dict takes.
+KEYS = st.one_of(
+    st.integers(0, 64),
+    st.integers(0, 2**64 - 1),
+    st.integers(-(2**63), -1),
+    st.integers(2**64, 2**70),
+    st.binary(min_size=0, max_size=4),
+)
+
+
+class MapVsDict(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = core.U64Map()
+        self.d: dict = {}
+
+    @rule(k=KEYS, v=st.integers())
+    def put(self, k, v) -> None:
+        self.m[k] = v
+        self.d[k] = v
+
+    @rule(k=KEYS)
+    def delete(self, k) -> None:
+        if k in self.d:
+            del self.m[k]
+            del self.d[k]
+        else:
+            with pytest.raises(KeyError):
+                del self.m[k]
+
+    @rule(k=KEYS)
+    def pop(self, k) -> None:
+        assert self.m.pop(k, "absent") == self.d.pop(k, "absent")
+
+    @rule(n=st.integers(1, 300), base=st.integers(0, 2**64 - 301))
+    def bulk_then_drain(self, n, base) -> None:
+        # Grows through several resizes, then deletes most (shrinks) in a scattered order.
+        ks = list(range(base, base + n))
+        for k in ks:
+            self.m[k] = k
+            self.d[k] = k
+        random.Random(n).shuffle(ks)
+        for k in ks[: n - n // 10]:
+            del self.m[k]
+            del self.d[k]
+
+    @rule(k=KEYS)
+    def lookups(self, k) -> None:
+        assert (k in self.m) == (k in self.d)
+        assert self.m.get(k) == self.d.get(k)
+        assert self.m.get(k, "x") == self.d.get(k, "x")
+        if k in self.d:
+            assert self.m[k] == self.d[k]
+        else:
+            with pytest.raises(KeyError):
+                self.m[k]
+
+    @rule()
+    def clear_sometimes(self) -> None:
+        if len(self.d) > 200:
+            self.m.clear()
+            self.d.clear()
+
+    @invariant()
+    def same_content(self) -> None:
+        assert len(self.m) == len(self.d)
+        assert sorted(self.m.items(), key=repr) == sorted(self.d.items(), key=repr)
+        assert sorted(self.m.keys(), key=repr) == sorted(self.d, key=repr)
+        assert sorted(list(self.m), key=repr) == sorted(self.d, key=repr)
+        assert sorted(self.m.values()) == sorted(self.d.values())
+        assert bool(self.m) == bool(self.d)
+
+
+TestMapVsDict = MapVsDict.TestCase
+TestMapVsDict.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_map_construction_and_errors() -> None:
+    m = core.U64Map({1: "a", b"h": "b"})
+    assert sorted(m.items(), key=repr) == sorted({1: "a", b"h": "b"}.items(), key=repr)
+    assert dict(core.U64Map(((2, "x"), (3, "y"))).items()) == {2: "x", 3: "y"}
+    with pytest.raises(TypeError):
+        m[[1]] = 1  # unhashable, as for a dict
+    with pytest.raises(TypeError):
+        core.U64Map(1, 2)
+    assert m.__sizeof__() > 0 and "U64Map" in repr(m)
+
+
+def test_map_shrinks_after_evictions() -> None:
+    # A worker's engine-hash map follows its cache down (dicts never shrink).
+    m = core.U64Map()
+    for k in range(100_000):
+        m[k * 7919] = None
+    big = m.__sizeof__()
+    for k in range(99_000):
+        del m[k * 7919]
+    assert len(m) == 1_000
+    assert m.__sizeof__() < big / 20
+    assert all(m.get(k * 7919, 1) is None for k in range(99_000, 100_000))
+
+
+def test_node_fields_and_key_range() -> None:
+    n = core.Node(2**64 - 1, None)
+    assert (n.key, n.parent, n.kids, n.gpu, n.tiers, n.dup) == (2**64 - 1, None, None, 0, None, None)
+    c = core.Node(5, n, None, 8, {1: 2}, {3: 4})
+    assert (c.key, c.parent, c.gpu, c.tiers, c.dup) == (5, n, 8, {1: 2}, {3: 4})
+    c.gpu = 2**300  # masks are Python ints: any number of workers
+    assert c.gpu == 2**300
+    assert core.Node(None, None).key == 0  # the root's key is never read
+    for bad in (-1, 2**64, "k"):
+        with pytest.raises((OverflowError, TypeError)):
+            core.Node(bad, None)
+    with pytest.raises(TypeError):
+        core.Node(1)
+    with pytest.raises(TypeError):
+        core.Node(1, None, kids=None)
+    with pytest.raises(AttributeError):
+        n.key = 3
+    assert core.DEAD is tree.DEAD and tree.COMPILED
+
+
+def _chain(chain):
+    """Engine hashes chained as vLLM chains them (each names its whole prefix) and
+    block keys from a small alphabet, so chains share prefixes, branch and repeat."""
+    hashes, h = [], 0
+    for sym in chain:
+        h = hash((h, sym)) & (2**64 - 1)
+        hashes.append(h)
+    return hashes, [sym * 1000 + 1 for sym in chain]
+
+
+def _build(insert, stores, bits):
+    """Apply ``stores`` [(worker, chain)] with ``insert`` (the compiled loop or its
+    pure twin, on the same node type); return the tree as {key path: (gpu, dup)},
+    the per-call results and each worker's hash map."""
+    root = tree.Node(None, None)
+    maps = {w: tree.Kids() for w in bits}
+    results = []
+    for w, chain in stores:
+        hashes, keys = _chain(chain)
+        last, created, added = insert(maps[w], root, hashes, keys, bits[w], w << 5)
+        results.append((last.key, created, added))
+    out = {}
+    stack = [(root, ())]
+    while stack:
+        node, path = stack.pop()
+        if path:
+            out[path] = (node.gpu, node.dup)
+        kids = node.kids
+        if kids is None:
+            continue
+        for kid in (kids.values() if kids.__class__ is tree.Kids else [kids]):
+            stack.append((kid, path + (kid.key,)))
+    return root, (out, results, {w: sorted((k, v.key) for k, v in m.items()) for w, m in maps.items()})
+
+
+STORES = st.lists(
+    st.tuples(st.integers(0, 3), st.lists(st.integers(0, 5), min_size=1, max_size=6)),
+    min_size=1, max_size=25,
+)
+
+
+@given(STORES)
+@settings(max_examples=150, deadline=None)
+def test_insert_gpu_matches_pure_python(stores) -> None:
+    bits = {w: 1 << (w * 40) for w in range(4)}  # masks past 64 bits too
+    assert _build(core.insert_gpu, stores, bits)[1] == _build(tree._py_insert_gpu, stores, bits)[1]
+
+
+@given(STORES, st.lists(st.integers(0, 5), max_size=8), st.booleans(), st.integers(1, 4))
+@settings(max_examples=150, deadline=None)
+def test_walk_matches_pure_python(stores, query, keep, chunk) -> None:
+    root, _ = _build(core.insert_gpu, stores, {w: 1 << w for w in range(4)})
+    keys = _chain(query)[1]
+    chunks = [keys[i : i + chunk] for i in range(0, len(keys), chunk)]
+    d0, stops0, active0, path0 = tree._py_walk(root, iter(chunks), keep)
+    d1, stops1, active1, path1 = core.walk(root, iter(chunks), keep)
+    assert (d1, stops1, active1) == (d0, stops0, active0)
+    assert path1 == path0  # the same node objects, or both None
+
+
+def test_R_KEY_2_compiled_block_keys_are_xxh3_of_each_block() -> None:
+    r = random.Random(7)
+    for bs in (1, 2, 16, 33, 64):
+        toks = [r.randrange(2**32) for _ in range(bs * 9 + 5)]
+        buf = struct.pack(f"<{len(toks)}I", *toks)
+        n = len(toks) // bs
+        for seed in (1337, 0, 2**64 - 1):
+            want = [xxhash.xxh3_64_intdigest(buf[i * bs * 4 : (i + 1) * bs * 4], seed) for i in range(n)]
+            assert core.block_keys(buf, bs, seed) == want
+            assert core.block_keys(buf, bs, seed, 4, 2) == want[2:4]
+            assert core.block_keys(buf, bs, seed, 0) == []
+        seeds = [r.randrange(2**64) for _ in range(n)]
+        assert core.block_keys(buf, bs, seeds) == [
+            xxhash.xxh3_64_intdigest(buf[i * bs * 4 : (i + 1) * bs * 4], seeds[i]) for i in range(n)
+        ]
+    with pytest.raises(ValueError):
+        core.block_keys(b"\0" * 64, 0, 1337)
+    with pytest.raises(ValueError):
+        core.block_keys(b"\0" * 128, 16, [1])  # fewer seeds than blocks
+
+
+ANY_INTS = st.lists(st.integers(-(2**40), 2**40), max_size=40)
+
+
+@given(ANY_INTS)
+@settings(max_examples=300, deadline=None)
+def test_token_readers_take_exactly_plain_uint32_arrays(toks) -> None:
+    ok = all(0 <= t <= 2**32 - 1 for t in toks)
+    want = struct.pack(f"<{len(toks)}I", *toks) if ok else None
+    assert core.tokens_from_msgpack(msgspec.msgpack.encode(toks)) == want
+    assert core.tokens_from_json(msgspec.json.encode(toks)) == want
+    assert core.tokens_from_json(json.dumps(toks, indent=1).encode()) == want
+
+
+@pytest.mark.parametrize("raw", [
+    b"[01]", b"[1,]", b"[,1]", b"[1 2]", b"[1]x", b"[1e3]", b"[1.0]", b"[-0]", b"", b"[", b"]",
+    b"[99999999999]", b"[4294967296]", b'["1"]', b"[true]", b"[null]", b"{}", b"[[1]]",
+])
+def test_json_token_reader_declines_what_is_not_a_plain_array(raw) -> None:
+    assert core.tokens_from_json(raw) is None
+
+
+@pytest.mark.parametrize("raw", [
+    b"\xc0", b"\x92\x01", b"\x91\x01\x02", b"\x91\xca\x3f\x80\x00\x00", b"\x91\xa1a", b"\x91\xd0\xff",
+    b"\x91\xcf\x00\x00\x00\x01\x00\x00\x00\x00", b"\xdc\x00", b"\x81\x01\x02",
+])
+def test_msgpack_token_reader_declines_what_is_not_a_plain_array(raw) -> None:
+    assert core.tokens_from_msgpack(raw) is None
+
+
+BODIES = [
+    b'{"token_ids": [1, 2, 3]}',
+    b'{"token_ids": [1, 2, 3], "model": "m", "lora_name": "l", "cache_salt": "s"}',
+    b'{"model": "m", "token_ids": [4294967295, 0]}',
+    b'{"token_ids": [1.0, 2]}',  # integral floats: the typed decoder reads them
+    b'{"token_ids": []}',
+    b'{"token_ids": [-1]}',
+    b'{"token_ids": [4294967296]}',
+    b'{"token_ids": [1], "model": ""}',
+    b'{"token_ids": [1], "unknown": 1}',
+    b'{"token_ids": "abc"}',
+    b'{"token_ids": [1]',
+    b"[]",
+]
+
+
+@pytest.mark.parametrize("body", BODIES)
+@pytest.mark.parametrize("rtype", ["MatchRequest", "RouteRequest", "DynQuery"])
+def test_request_decoder_c_path_equals_typed_decode(body, rtype) -> None:
+    from api import schemas
+    from api.app import _decode, _Route
+
+    async def handler(q):  # pragma: no cover - never called
+        return 200, {}
+
+    cls = schemas.REQUEST_TYPES[rtype]
+    if rtype == "DynQuery":
+        body = body.replace(b"{", b'{"model_name": "m", ', 1) if body.startswith(b"{") else body
+    fast = _Route("/x", cls, handler, True, "detail")
+    typed = _Route("/x", cls, handler, True, "detail")
+    typed.raw_decoder = None
+
+    def outcome(route):
+        try:
+            q = _decode(route, body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            return type(e).__name__, str(e)
+        t = q.token_ids
+        toks = list(struct.unpack(f"<{len(t) // 4}I", t)) if t.__class__ is bytes else list(t)
+        return {f: getattr(q, f) for f in cls.__struct_fields__ if f != "token_ids"}, toks
+
+    assert outcome(fast) == outcome(typed)
+
+
+def test_pure_python_build_passes_the_index_tests() -> None:
+    """The fallback (no compiled core) is a supported build: it runs the same tests."""
+    env = dict(os.environ, KVI_PURE_PYTHON="1", KVI_FUZZ_EXAMPLES="20")
+    probe = subprocess.run([sys.executable, "-c", "import indexer.tree as t; print(t.COMPILED, t.Node.__module__)"],
+                           env=env, capture_output=True, text=True, cwd=ROOT, check=True)
+    assert probe.stdout.split() == ["False", "indexer.tree"]
+    tests = ["test_apply.py", "test_query.py", "test_stateful.py", "test_lifecycle.py", "test_keys.py",
+             "test_decode.py"]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+                       env=env, capture_output=True, text=True, cwd=ROOT / "tests", timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout
