@@ -6,10 +6,12 @@ tiers come from configuration or are capped by the index (``max_tiers``, ``max_g
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 NS = "kvi"
 
@@ -35,35 +37,60 @@ _COUNTERS = {
 }
 
 
+class _Histograms:
+    """Per-route histograms observed on the event-loop thread: one ``bisect`` and two
+    additions a query (prometheus_client's ``Histogram.observe`` takes a lock and
+    walks the buckets: ~1 us each, two per query); exported in the same format."""
+
+    def __init__(self, name: str, doc: str, bounds: tuple) -> None:
+        self.name = name
+        self.doc = doc
+        self.bounds = tuple(float(b) for b in bounds)
+        self.les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        self.routes: dict[str, list] = {}  # route -> [per-bucket counts (last: +Inf), sum]
+
+    def observe(self, route: str, value: float) -> None:
+        r = self.routes.get(route)
+        if r is None:
+            r = self.routes[route] = [[0] * (len(self.bounds) + 1), 0.0]
+        r[0][bisect_left(self.bounds, value)] += 1  # Prometheus buckets are "<= le"
+        r[1] += value
+
+    def family(self) -> HistogramMetricFamily:
+        fam = HistogramMetricFamily(self.name, self.doc, labels=["route"])
+        for route, (counts, total) in list(self.routes.items()):
+            acc = 0
+            buckets = []
+            for le, n in zip(self.les, list(counts)):
+                acc += n
+                buckets.append((le, acc))
+            fam.add_metric([route], buckets, total)
+        return fam
+
+
 class Metrics:
     """The registry of one app: histograms observed per query, the rest read on scrape."""
 
     def __init__(self, index: Any, ingest: Any, api_errors: dict) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.query_seconds = Histogram(
-            f"{NS}_query_duration_seconds", "Time to answer a query route, in the handler.",
-            ["route"], buckets=_LATENCY_BUCKETS, registry=self.registry,
-        )
-        self.matched_blocks = Histogram(
+        self.query_seconds = _Histograms(
+            f"{NS}_query_duration_seconds", "Time to answer a query route, in the handler.", _LATENCY_BUCKETS)
+        self.matched_blocks = _Histograms(
             f"{NS}_query_matched_blocks", "Longest prefix (blocks, all tiers) of the best worker per query.",
-            ["route"], buckets=_BLOCK_BUCKETS, registry=self.registry,
-        )
-        self.registry.register(_IndexCollector(index, ingest, api_errors))
-        self._children: dict[str, tuple] = {}
+            _BLOCK_BUCKETS)
+        self.registry.register(_IndexCollector(index, ingest, api_errors, (self.query_seconds, self.matched_blocks)))
 
     def observe(self, route: str, seconds: float, blocks: int) -> None:
-        c = self._children.get(route)
-        if c is None:  # label lookup once per route, not per query
-            c = self._children[route] = (self.query_seconds.labels(route), self.matched_blocks.labels(route))
-        c[0].observe(seconds)
-        c[1].observe(blocks)
+        self.query_seconds.observe(route, seconds)
+        self.matched_blocks.observe(route, blocks)
 
 
 class _IndexCollector:
-    def __init__(self, index: Any, ingest: Any, api_errors: dict) -> None:
+    def __init__(self, index: Any, ingest: Any, api_errors: dict, histograms: tuple = ()) -> None:
         self.index = index
         self.ingest = ingest
         self.api_errors = api_errors  # {(route path, status): n}, kept by the app
+        self.histograms = histograms
 
     def describe(self):
         return []
@@ -132,3 +159,5 @@ class _IndexCollector:
             ae.add_metric([route, str(status)], n)
         yield ae
         yield GaugeMetricFamily(f"{NS}_workers_known", "Workers the index knows.", value=st["workers"])
+        for h in self.histograms:
+            yield h.family()

@@ -197,27 +197,26 @@ class DynQueryResponse(msgspec.Struct):
     instances: dict[str, DynInstance]
 
 
-def raw_tokens_twin(cls: type) -> type | None:
-    """``cls`` with ``token_ids`` kept as raw JSON (None when it has no ``token_ids``).
-
-    The hot routes decode with it and read the array in C
-    (:func:`indexer.keys.json_tokens_to_bytes`), with no Python int per token; every
-    other field is validated exactly as by ``cls``. Not frozen, so the handler can
-    swap the raw array for its bytes in place."""
+def tokens_twin(cls: type) -> type | None:
+    """``cls`` without its ``token_ids`` (None when it has none), for the rest of a body
+    whose token array was read in C (:func:`indexer.keys.split_json_tokens`). Every other
+    field is validated exactly as by ``cls``; ``token_ids`` stays as an attribute,
+    defaulting to None, that the handler fills with the tokens' bytes (not frozen)."""
     fields = msgspec.structs.fields(cls)
     if not any(f.name == "token_ids" for f in fields):
         return None
-    spec = []
+    spec: list = [("token_ids", Any, None)]
     for f in fields:
-        t = msgspec.Raw if f.name == "token_ids" else f.type
+        if f.name == "token_ids":
+            continue
         if f.default is not msgspec.NODEFAULT:
-            spec.append((f.name, t, f.default))
+            spec.append((f.name, f.type, f.default))
         elif f.default_factory is not msgspec.NODEFAULT:
-            spec.append((f.name, t, msgspec.field(default_factory=f.default_factory)))
+            spec.append((f.name, f.type, msgspec.field(default_factory=f.default_factory)))
         else:
-            spec.append((f.name, t))
-    forbid = getattr(cls, "__struct_config__").forbid_unknown_fields
-    return msgspec.defstruct(cls.__name__ + "Raw", spec, kw_only=True, forbid_unknown_fields=forbid)
+            spec.append((f.name, f.type))
+    forbid = cls.__struct_config__.forbid_unknown_fields
+    return msgspec.defstruct(cls.__name__ + "Rest", spec, kw_only=True, forbid_unknown_fields=forbid)
 
 
 REQUEST_TYPES: dict[str, Any] = {

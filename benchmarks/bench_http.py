@@ -17,7 +17,11 @@ What is measured:
   FastAPI routing (``KVI_FAST_PATH=false``);
 * ``--peer``: NVIDIA Dynamo's standalone indexer (``python -m dynamo.indexer`` from
   ``.venv-dynamo``) subscribed to the same publishers, ``POST /query`` with the same
-  prompts through the same client, and the ratio.
+  prompts through the same client, and the ratio;
+* ``--rounds`` (default 3): the servers take turns, one at a time, ``--rounds``
+  times (fresh process and ingest each turn); each ingest and latency figure is the
+  median over the rounds, so drift of this shared VM over minutes lands on every
+  server alike instead of on whichever ran last. Throughput runs in the first round.
 
 Target: 1,024-token ``/v1/match`` median <= 250 us.
 
@@ -32,6 +36,7 @@ import json
 import multiprocessing as mp
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -209,6 +214,7 @@ def main() -> None:
     ap.add_argument("--cpu", type=int, default=0, help="server CPU (clients use the other; -1 = no pinning)")
     ap.add_argument("--no-fastapi", action="store_true", help="skip the plain-FastAPI alternative")
     ap.add_argument("--peer", action="store_true", help="also measure Dynamo's standalone indexer")
+    ap.add_argument("--rounds", type=int, default=3, help="turns of every server; figures are medians over them")
     wl.add_arguments(ap)
     args = ap.parse_args()
     if args.quick:
@@ -241,56 +247,72 @@ def main() -> None:
     modes = [("fast path", "ours", True)] + ([] if args.no_fastapi else [("FastAPI routes", "ours", False)])
     if args.peer and peer_available():
         modes.append(("Dynamo /query", "dynamo", None))
-    rows, rps_rows, ingest_rows, results, answers = [], [], [], {}, {}
-    for label, kind, fast in modes:
-        port = free_port()
-        srv = start_ours(port, args.cpu, fast) if kind == "ours" else start_dynamo(port, args.cpu)
-        pubs = [VllmPublisher("tcp://127.0.0.1:*", hwm=0) for _ in events]
-        path, qbodies = ("/v1/match", bodies) if kind == "ours" else ("/query", dyn_bodies)
-        try:
-            c = Client(port)
-            for i, pub in enumerate(pubs):
+    rps_rows, answers = [], {}
+    ingests: dict[str, list] = {}  # label -> [(seconds, RSS growth)] over rounds
+    lats: dict[tuple, list] = {}  # (label, tokens) -> [(median, p99, handler)] over rounds
+    for rnd in range(args.rounds):
+        for label, kind, fast in modes:
+            port = free_port()
+            srv = start_ours(port, args.cpu, fast) if kind == "ours" else start_dynamo(port, args.cpu)
+            pubs = [VllmPublisher("tcp://127.0.0.1:*", hwm=0) for _ in events]
+            path, qbodies = ("/v1/match", bodies) if kind == "ours" else ("/query", dyn_bodies)
+            try:
+                c = Client(port)
+                for i, pub in enumerate(pubs):
+                    if kind == "ours":
+                        st, body = c.json("POST", "/v1/engines", {"id": wl.engine_name(i), "endpoint": pub.live_endpoint})
+                    else:
+                        st, body = c.json("POST", "/register", {"instance_id": i, "endpoint": pub.live_endpoint,
+                                                               "model_name": "default", "block_size": p.block_size})
+                    assert st < 300, (st, body)
+                time.sleep(1.0)  # SUB sockets connect before the first batch (PUB drops otherwise)
+                rss0 = rss(srv.pid)
                 if kind == "ours":
-                    st, body = c.json("POST", "/v1/engines", {"id": wl.engine_name(i), "endpoint": pub.live_endpoint})
+                    secs = feed(pubs, payloads,
+                                lambda c=c: c.json("GET", "/v1/stats")[1]["counters"].get("batches_applied", 0) >= total)
                 else:
-                    st, body = c.json("POST", "/register", {"instance_id": i, "endpoint": pub.live_endpoint,
-                                                           "model_name": "default", "block_size": p.block_size})
-                assert st < 300, (st, body)
-            time.sleep(1.0)  # SUB sockets connect before the first batch (PUB drops otherwise)
-            rss0 = rss(srv.pid)
-            if kind == "ours":
-                secs = feed(pubs, payloads,
-                            lambda c=c: c.json("GET", "/v1/stats")[1]["counters"].get("batches_applied", 0) >= total)
-            else:
-                secs = feed(pubs, payloads, lambda c=c: dynamo_stored_events(c) >= store_events)
-            time.sleep(0.5)
-            grown = rss(srv.pid) - rss0
-            ingest_rows.append([label, secs, stored_blocks / secs, grown, grown / entries])
-            got = {k: gpu_tokens(c, path, qbodies[k], p.block_size) for k in queries}
-            answers[label] = got
-            base = answers.get("fast path")
-            same = sum(got[k] == base[k] for k in queries) if base else len(queries)
-            print(f"[{label}] applied {total:,} batches in {secs:.2f} s; answers equal to ours on {same}/{len(queries)} "
-                  "queries" + ("" if same == len(queries) else f": {[k for k in queries if got[k] != base[k]]}"))
-            for n in args.lengths:
-                r = latency(c, path, qbodies[(n, "full")], args.calls, args.warmup)
-                results[(label, n)] = r
-                rows.append([label, n, r["median_us"], r["p99_us"],
-                             handler_us(c, "/v1/match") if kind == "ours" else None])
-            for k in args.clients:
-                rps_rows.append([label, args.lengths[0], k,
-                                 throughput(port, path, qbodies[(args.lengths[0], "full")], k, args.seconds, client_cpu)])
-        finally:
-            for pub in pubs:
-                pub.close()
-            srv.terminate()
-            srv.wait(10)
+                    secs = feed(pubs, payloads, lambda c=c: dynamo_stored_events(c) >= store_events)
+                time.sleep(0.5)
+                ingests.setdefault(label, []).append((secs, rss(srv.pid) - rss0))
+                got = {k: gpu_tokens(c, path, qbodies[k], p.block_size) for k in queries}
+                base = answers.setdefault("fast path", got)  # ours, fast path: always the first turn
+                same = sum(got[k] == base[k] for k in queries)
+                print(f"[round {rnd + 1}, {label}] applied {total:,} batches in {secs:.2f} s; answers equal to ours on "
+                      f"{same}/{len(queries)} queries"
+                      + ("" if same == len(queries) else f": {[k for k in queries if got[k] != base[k]]}"))
+                for n in args.lengths:
+                    r = latency(c, path, qbodies[(n, "full")], args.calls, args.warmup)
+                    lats.setdefault((label, n), []).append(
+                        (r["median_us"], r["p99_us"], handler_us(c, "/v1/match") if kind == "ours" else None))
+                if rnd == 0:
+                    for k in args.clients:
+                        rps_rows.append([label, args.lengths[0], k, throughput(
+                            port, path, qbodies[(args.lengths[0], "full")], k, args.seconds, client_cpu)])
+            finally:
+                for pub in pubs:
+                    pub.close()
+                srv.terminate()
+                srv.wait(10)
+    ingest_rows, rows, results = [], [], {}
+    for label, _, _ in modes:
+        secs = statistics.median(s for s, _ in ingests[label])
+        grown = statistics.median(g for _, g in ingests[label])
+        ingest_rows.append([label, secs, stored_blocks / secs, grown, grown / entries])
+        for n in args.lengths:
+            got = lats[(label, n)]
+            med = statistics.median(m for m, _, _ in got)
+            hs = [h for _, _, h in got if h is not None]
+            results[(label, n)] = {"median_us": med}
+            rows.append([label, n, med, statistics.median(q for _, q, _ in got),
+                         statistics.median(hs) if hs else None, " ".join(f"{m:.0f}" for m, _, _ in got)])
     print()
     print(table(["server", "s to apply all", "blocks/s", "RSS growth B", "B/entry"], ingest_rows,
-                f"ingest over loopback ZMQ until fully applied ({stored_blocks:,} blocks; {entries:,} resident entries)"))
+                f"ingest over loopback ZMQ until fully applied ({stored_blocks:,} blocks; {entries:,} resident entries); "
+                f"medians over {args.rounds} rounds"))
     print()
-    print(table(["server", "tokens", "median us", "p99 us", "handler us (mean)"], rows,
-                "POST query round trip, one keep-alive http.client connection (prompt held whole by every engine)"))
+    print(table(["server", "tokens", "median us", "p99 us", "handler us (mean)", "medians per round"], rows,
+                "POST query round trip, one keep-alive http.client connection (prompt held whole by every engine); "
+                f"medians over {args.rounds} rounds"))
     print()
     print(table(["server", "tokens", "clients", "requests/s"], rps_rows,
                 f"throughput, keep-alive clients on one CPU, {args.seconds:g} s"))

@@ -19,11 +19,11 @@
  *   walk        the GPU walk of a query (tree.walk is its reference).
  *   block_keys  xxh3-64 of each block of little-endian uint32 tokens (keys.py
  *               documents the key; keys._py_block_keys is the reference).
- *   tokens_from_msgpack, tokens_from_json
- *               a raw token-id array (an event's msgpack, a request's JSON)
+ *   tokens_from_msgpack, split_tokens_json
+ *               token ids (an event's msgpack array, a request's JSON body)
  *               straight to little-endian uint32 bytes, with no Python int per
- *               token; None when the input is anything but a plain array of
- *               uint32, so the caller's typed decoder can say what is wrong.
+ *               token; None for anything but plain arrays of uint32, so the
+ *               caller's typed decoder can say what is wrong.
  *
  * Neither Node nor U64Map is tracked by the cycle collector: millions of them
  * would make every collection pass slow. Parent <-> child cycles are broken by
@@ -1157,89 +1157,199 @@ done:
     return out;
 }
 
-PyDoc_STRVAR(tokens_from_json_doc,
-"tokens_from_json(raw) -> bytes | None\n\n"
-"A JSON array of integers in [0, 2**32) (a request's token_ids) as little-endian\n"
-"uint32 bytes; None for anything else (signs, fractions, exponents, leading\n"
-"zeros, other types, out of range), which the typed decoder then explains.");
-
 static inline int
 json_ws(unsigned char c)
 {
     return c == ' ' || c == '\n' || c == '\r' || c == '\t';
 }
 
+/* The JSON array [first, last] (*first == '[', *last == ']') of integers in
+ * [0, 2**32) into `o` as little-endian uint32 (room for (last - first) / 2 + 1
+ * tokens); returns how many, or -1 for anything else (signs, fractions,
+ * exponents, leading zeros, other values). The closing ']' is neither a digit, a
+ * blank nor a comma: it stops every scan, so the loops need no bounds checks. */
+static Py_ssize_t
+parse_u32_array(const unsigned char *p, const unsigned char *last, unsigned char *o)
+{
+    Py_ssize_t n = 0;
+    p++;
+    while (json_ws(*p))
+        p++;
+    if (p == last)
+        return 0;
+    for (;;) {
+        unsigned d = (unsigned)*p - '0';
+        if (d > 9)
+            return -1;
+        uint64_t v = d;
+        p++;
+        if (v == 0 && (unsigned)*p - '0' <= 9)
+            return -1; /* a leading zero is not JSON */
+        while ((d = (unsigned)*p - '0') <= 9) {
+            v = v * 10 + d;
+            if (v > 0xffffffffULL)
+                return -1;
+            p++;
+        }
+        put_le32(o + n * 4, (uint32_t)v);
+        n++;
+        while (json_ws(*p))
+            p++;
+        if (*p == ',') {
+            p++;
+            while (json_ws(*p))
+                p++;
+            continue;
+        }
+        return p == last ? n : -1;
+    }
+}
+
+/* Past the JSON string at p (*p == '"'), or NULL. */
+static const unsigned char *
+skip_string(const unsigned char *p, const unsigned char *end)
+{
+    for (p++; p < end; p++) {
+        if (*p == '"')
+            return p + 1;
+        if (*p == '\\')
+            p++;
+    }
+    return NULL;
+}
+
+/* Past the JSON value at p, or NULL. Only finds where it ends (strings, nesting);
+ * its content is copied verbatim and validated by the decoder that reads it. */
+static const unsigned char *
+skip_value(const unsigned char *p, const unsigned char *end)
+{
+    if (*p == '"')
+        return skip_string(p, end);
+    if (*p != '[' && *p != '{') { /* a number or a literal */
+        const unsigned char *q = p;
+        while (q < end && *q != ',' && *q != '}' && *q != ']' && !json_ws(*q))
+            q++;
+        return q > p ? q : NULL;
+    }
+    int depth = 0;
+    while (p < end) {
+        unsigned char c = *p;
+        if (c == '"') {
+            if ((p = skip_string(p, end)) == NULL)
+                return NULL;
+            continue;
+        }
+        if (c == '[' || c == '{')
+            depth++;
+        else if ((c == ']' || c == '}') && --depth == 0)
+            return p + 1;
+        p++;
+    }
+    return NULL;
+}
+
+PyDoc_STRVAR(split_tokens_json_doc,
+"split_tokens_json(body) -> (rest, tokens) | None\n\n"
+"A request body, a JSON object with a \"token_ids\" array of integers in\n"
+"[0, 2**32), split in one pass into the object's other members (verbatim, as a\n"
+"JSON object, for a typed decoder to read and validate) and the tokens as\n"
+"little-endian uint32 bytes, with no Python int per token. None for anything\n"
+"else (no such array, an empty one, a value it does not take, escaped keys,\n"
+"malformed JSON): the caller's typed decoder then reads the body and says what\n"
+"is wrong.");
+
 static PyObject *
-tokens_from_json(PyObject *Py_UNUSED(mod), PyObject *raw)
+split_tokens_json(PyObject *Py_UNUSED(mod), PyObject *raw)
 {
     Py_buffer view;
     if (PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE) < 0)
         return NULL;
     const unsigned char *p = view.buf, *end = p + view.len;
-    PyObject *out = NULL;
-    /* Every token takes at least two bytes ("1,"): an upper bound for the buffer. */
-    Py_ssize_t cap = view.len / 2 + 1, n = 0;
-    out = PyBytes_FromStringAndSize(NULL, cap * 4);
-    if (out == NULL)
+    PyObject *rest = NULL, *toks = NULL, *out = NULL;
+    Py_ssize_t rn = 0, nt = -1;
+    rest = PyBytes_FromStringAndSize(NULL, view.len + 2);
+    if (rest == NULL)
         goto done;
-    unsigned char *o = (unsigned char *)PyBytes_AS_STRING(out);
+    unsigned char *r = (unsigned char *)PyBytes_AS_STRING(rest);
+    r[rn++] = '{';
     while (p < end && json_ws(*p))
         p++;
-    if (p >= end || *p != '[')
+    if (p >= end || *p != '{')
         goto none;
     p++;
-    while (p < end && json_ws(*p))
+    for (;;) {
+        while (p < end && json_ws(*p))
+            p++;
+        if (p >= end || *p != '"')
+            goto none;
+        const unsigned char *key = p, *kend = skip_string(p, end);
+        if (kend == NULL || memchr(key, '\\', (size_t)(kend - key)) != NULL)
+            goto none;
+        p = kend;
+        while (p < end && json_ws(*p))
+            p++;
+        if (p >= end || *p != ':')
+            goto none;
         p++;
-    if (p < end && *p == ']') {
-        p++;
-    }
-    else {
-        for (;;) {
-            if (p >= end || *p < '0' || *p > '9')
+        while (p < end && json_ws(*p))
+            p++;
+        if (p >= end)
+            goto none;
+        if (kend - key == 11 && memcmp(key, "\"token_ids\"", 11) == 0) {
+            if (toks != NULL || *p != '[')
                 goto none;
-            if (*p == '0' && p + 1 < end && p[1] >= '0' && p[1] <= '9')
-                goto none; /* a leading zero is not JSON */
-            uint64_t v = 0;
-            int digits = 0;
-            while (p < end && *p >= '0' && *p <= '9') {
-                v = v * 10 + (uint64_t)(*p - '0');
-                p++;
-                if (++digits > 10)
-                    goto none;
-            }
-            if (v > 0xffffffffULL || n >= cap)
+            const unsigned char *close = memchr(p, ']', (size_t)(end - p));
+            if (close == NULL)
                 goto none;
-            put_le32(o + n * 4, (uint32_t)v);
-            n++;
-            while (p < end && json_ws(*p))
-                p++;
-            if (p >= end)
+            toks = PyBytes_FromStringAndSize(NULL, ((close - p) / 2 + 1) * 4);
+            if (toks == NULL)
+                goto done;
+            nt = parse_u32_array(p, close, (unsigned char *)PyBytes_AS_STRING(toks));
+            if (nt <= 0)
                 goto none;
-            if (*p == ',') {
-                p++;
-                while (p < end && json_ws(*p))
-                    p++;
-                continue;
-            }
-            if (*p == ']') {
-                p++;
-                break;
-            }
-            goto none; /* '.', 'e', or anything else: the typed decoder decides */
+            p = close + 1;
         }
+        else {
+            const unsigned char *vend = skip_value(p, end);
+            if (vend == NULL)
+                goto none;
+            if (rn > 1)
+                r[rn++] = ',';
+            memcpy(r + rn, key, (size_t)(kend - key));
+            rn += kend - key;
+            r[rn++] = ':';
+            memcpy(r + rn, p, (size_t)(vend - p));
+            rn += vend - p;
+            p = vend;
+        }
+        while (p < end && json_ws(*p))
+            p++;
+        if (p < end && *p == ',') {
+            p++;
+            continue;
+        }
+        if (p < end && *p == '}') {
+            p++;
+            break;
+        }
+        goto none;
     }
     while (p < end && json_ws(*p))
         p++;
-    if (p != end)
+    if (p != end || toks == NULL)
         goto none;
-    if (_PyBytes_Resize(&out, n * 4) < 0)
-        out = NULL;
+    r[rn++] = '}';
+    /* On failure _PyBytes_Resize frees the object and sets the pointer to NULL. */
+    if (_PyBytes_Resize(&rest, rn) < 0 || _PyBytes_Resize(&toks, nt * 4) < 0)
+        goto done;
+    out = PyTuple_Pack(2, rest, toks);
     goto done;
 none:
-    Py_XDECREF(out);
     out = Py_None;
     Py_INCREF(out);
 done:
+    Py_XDECREF(rest);
+    Py_XDECREF(toks);
     PyBuffer_Release(&view);
     return out;
 }
@@ -1247,7 +1357,7 @@ done:
 static PyMethodDef core_methods[] = {
     {"block_keys", (PyCFunction)(void (*)(void))block_keys, METH_FASTCALL, block_keys_doc},
     {"tokens_from_msgpack", (PyCFunction)tokens_from_msgpack, METH_O, tokens_from_msgpack_doc},
-    {"tokens_from_json", (PyCFunction)tokens_from_json, METH_O, tokens_from_json_doc},
+    {"split_tokens_json", (PyCFunction)split_tokens_json, METH_O, split_tokens_json_doc},
     {"insert_gpu", (PyCFunction)(void (*)(void))insert_gpu, METH_FASTCALL, insert_gpu_doc},
     {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL, walk_doc},
     {NULL, NULL, 0, NULL},

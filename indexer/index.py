@@ -1267,8 +1267,9 @@ def _bits(mask: int) -> list[int]:
 
 
 class _LazyKeys:
-    """A query's block keys, hashed in growing chunks (8, 64, 512, ... blocks) as the
-    walk asks for them: a prompt that misses early hashes a few blocks, not all.
+    """A query's block keys, hashed in growing chunks (64, 512, 4096 blocks) as the
+    walk asks for them: a prompt that misses early hashes a few blocks, not all
+    (64 blocks hash in ~1 us in the compiled core: one chunk for a 1,024-token prompt).
     Computed chunks are kept for the next group with the same block size."""
 
     __slots__ = ("buf", "block_size", "seed", "n", "done", "i")
@@ -1285,7 +1286,7 @@ class _LazyKeys:
         if self.done:
             yield from self.done
         i = self.i
-        size = 8 << (3 * len(self.done))
+        size = 64 << (3 * len(self.done))
         while i < self.n:
             j = min(self.n, i + size)
             c = block_keys(self.buf, self.block_size, self.seed, j, i)

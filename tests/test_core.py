@@ -4,8 +4,9 @@
   table; bytes, negative and huge ints in its side dict), through growth,
   backward-shift deletion and shrinking;
 * ``Node``, ``insert_gpu`` and ``walk`` do what tree.py's pure twins do;
-* ``block_keys`` is xxh3-64 of each block (R-KEY-2); the token readers accept
-  exactly the plain uint32 arrays and decline everything else;
+* ``block_keys`` is xxh3-64 of each block (R-KEY-2); the token readers (an
+  event's msgpack array, a request's JSON body) accept exactly the plain uint32
+  arrays and decline everything else;
 * the request decoder's C path gives the typed decoder's answer or error;
 * the pure-Python build (``KVI_PURE_PYTHON=1``) still passes the index's tests.
 """
@@ -241,30 +242,41 @@ ANY_INTS = st.lists(st.integers(-(2**40), 2**40), max_size=40)
 @settings(max_examples=300, deadline=None)
 def test_token_readers_take_exactly_plain_uint32_arrays(toks) -> None:
     ok = all(0 <= t <= 2**32 - 1 for t in toks)
-    want = struct.pack(f"<{len(toks)}I", *toks) if ok else None
-    assert core.tokens_from_msgpack(msgspec.msgpack.encode(toks)) == want
-    assert core.tokens_from_json(msgspec.json.encode(toks)) == want
-    assert core.tokens_from_json(json.dumps(toks, indent=1).encode()) == want
+    packed = struct.pack(f"<{len(toks)}I", *toks) if ok else None
+    assert core.tokens_from_msgpack(msgspec.msgpack.encode(toks)) == packed
+    want = (b"{}", packed) if ok and toks else None  # an empty array: the typed decoder decides
+    assert core.split_tokens_json(msgspec.json.encode({"token_ids": toks})) == want
+    assert core.split_tokens_json(json.dumps({"token_ids": toks}, indent=1).encode()) == want
 
 
-@pytest.mark.parametrize("raw", [
-    b"[01]", b"[1,]", b"[,1]", b"[1 2]", b"[1]x", b"[1e3]", b"[1.0]", b"[-0]", b"", b"[", b"]",
-    b"[99999999999]", b"[4294967296]", b'["1"]', b"[true]", b"[null]", b"{}", b"[[1]]",
+def test_json_split_keeps_every_other_member_verbatim() -> None:
+    body = b' { "model" : "m]", "token_ids" : [ 7 , 0,4294967295 ] , "x": {"y": [1, "]\\\"", {}]}, "n": -1.5e3 } '
+    rest, toks = core.split_tokens_json(body)
+    assert toks == struct.pack("<3I", 7, 0, 2**32 - 1)
+    assert json.loads(rest) == {"model": "m]", "x": {"y": [1, ']"', {}]}, "n": -1.5e3}  # an escaped quote
+    assert core.split_tokens_json(b'{"token_ids":[1]}') == (b"{}", struct.pack("<I", 1))
+
+
+@pytest.mark.parametrize("body", [
+    b'{"token_ids": [01]}', b'{"token_ids": [1,]}', b'{"token_ids": [,1]}', b'{"token_ids": [1 2]}',
+    b'{"token_ids": [1]}x', b'{"token_ids": [1e3]}', b'{"token_ids": [1.0]}', b'{"token_ids": [-0]}',
+    b'{"token_ids": []}', b'{"token_ids": [99999999999]}', b'{"token_ids": [4294967296]}',
+    b'{"token_ids": ["1"]}', b'{"token_ids": [true]}', b'{"token_ids": [null]}', b'{"token_ids": [[1]]}',
+    b'{"token_ids": null}', b'{"token_ids": [1], "token_ids": [2]}', b'{"token\\u005fids": [1]}',
+    b'{"model": "m"}', b'{"model": "m" "x", "token_ids": [1]}', b'{"model": "m",, "token_ids": [1]}',
+    b'{"model": "m", "token_ids": [1],}', b'{"token_ids": [1]', b"[1, 2]", b"", b"{", b'{"a": [1}, "token_ids": [1]',
+    b'{"a": "unterminated, "token_ids": [1]}',
 ])
-def test_json_token_reader_declines_what_is_not_a_plain_array(raw) -> None:
-    assert core.tokens_from_json(raw) is None
-
-
-@pytest.mark.parametrize("raw", [
-    b"\xc0", b"\x92\x01", b"\x91\x01\x02", b"\x91\xca\x3f\x80\x00\x00", b"\x91\xa1a", b"\x91\xd0\xff",
-    b"\x91\xcf\x00\x00\x00\x01\x00\x00\x00\x00", b"\xdc\x00", b"\x81\x01\x02",
-])
-def test_msgpack_token_reader_declines_what_is_not_a_plain_array(raw) -> None:
-    assert core.tokens_from_msgpack(raw) is None
+def test_json_split_declines_what_is_not_a_plain_body(body) -> None:
+    assert core.split_tokens_json(body) is None
 
 
 BODIES = [
     b'{"token_ids": [1, 2, 3]}',
+    b'{"model": "m", "token_ids": [5], "model": "n"}',
+    b'{"token_ids": [1], "load": {"e/0": {"active_prefill_tokens": 3}}, "candidates": ["e/0"]}',
+    b'{"token_ids": [1], "load": {"e/0": {"active_prefill_tokens": -3}}}',
+    b'{"token_ids": [1], "model": null}',
     b'{"token_ids": [1, 2, 3], "model": "m", "lora_name": "l", "cache_salt": "s"}',
     b'{"model": "m", "token_ids": [4294967295, 0]}',
     b'{"token_ids": [1.0, 2]}',  # integral floats: the typed decoder reads them
@@ -293,7 +305,7 @@ def test_request_decoder_c_path_equals_typed_decode(body, rtype) -> None:
         body = body.replace(b"{", b'{"model_name": "m", ', 1) if body.startswith(b"{") else body
     fast = _Route("/x", cls, handler, True, "detail")
     typed = _Route("/x", cls, handler, True, "detail")
-    typed.raw_decoder = None
+    typed.rest_decoder = None
 
     def outcome(route):
         try:

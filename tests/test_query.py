@@ -372,23 +372,26 @@ def test_R_Q_5_no_half_applied_batch_visible():
     assert idx.stats()["nodes"] == 0
 
 
-def test_R_Q_2_shared_body_is_the_same_json():
-    """to_dict(share=True) (the service's body) encodes exactly like to_dict()."""
+def test_R_Q_2_encoded_body_is_the_same_json():
+    """body() (what the service encodes) gives exactly the JSON of to_dict()."""
     import msgspec
 
     from evkit import apply, chunks, store, toks
 
     idx = PrefixIndex()
     t = toks(10, 8, 16)
+    enc = msgspec.json.encode
     for e in ("a", "b", "c"):
         apply(idx, [store(t, 16, 0, 6), *chunks(t, 16, 4, medium="CPU")], engine=e)
     apply(idx, [store(t, 16, 0, 2)], engine="d")
+    idx.mark_stale("d", reason="replay_timeout")
     res = idx.match(t)
     assert len(res.workers) == 4
-    assert msgspec.json.encode(res.to_dict(share=True)) == msgspec.json.encode(res.to_dict())
-    shared = res.to_dict(share=True)["workers"]
-    assert shared[0]["tiers"] is shared[1]["tiers"]  # a, b and c share one answer
-    assert res.to_dict()["workers"][0]["tiers"] is not res.to_dict()["workers"][1]["tiers"]
+    assert enc(res.body()) == enc(res.to_dict())
+    body = res.body()
+    assert body.workers[0].tiers is body.workers[1].tiers  # a, b and c share one answer
+    miss = idx.match(toks(99, 2, 16))
+    assert miss.best is None and enc(miss.body()) == enc(miss.to_dict())
 
 
 def test_R_Q_1_model_may_be_omitted_when_one_model_has_workers():

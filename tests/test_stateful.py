@@ -46,8 +46,12 @@ from hypothesis.stateful import (
     rule,
 )
 
+import msgspec
+
 from indexer import PrefixIndex
 from indexer.testing import Cleared, Removed, Stored, encode_batch
+
+_ENC = msgspec.json.encode
 
 BS = 4
 WORKERS = (("e0", 0), ("e1", 0), ("e0", 1))
@@ -489,7 +493,9 @@ class IndexMachine(RuleBasedStateMachine):
                 tokens = prompt.tokens[: k * BS]
                 if k == len(prompt.hashes):
                     tokens = tokens + [5, 6]  # a trailing partial block is ignored (R-Q-1)
-                res = self.idx.match(tokens).to_dict()
+                r = self.idx.match(tokens)
+                res = r.to_dict()
+                assert _ENC(r.body()) == _ENC(res)  # the service's encoding path
                 exp = self.expected(prompt.hashes, k)
                 got = {
                     (x["engine"], x["dp_rank"]): {
