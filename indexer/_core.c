@@ -17,6 +17,8 @@
  *   DEAD        the sentinel parent of freed nodes.
  *   insert_gpu  the hot loop of a GPU store (tree.insert_gpu is its reference).
  *   walk        the GPU walk of a query (tree.walk is its reference).
+ *   answers     the ranked per-worker answers of a GPU-only, one-group match
+ *               (result.gpu_answers is its reference).
  *   block_keys  xxh3-64 of each block of little-endian uint32 tokens (keys.py
  *               documents the key; keys._py_block_keys is the reference).
  *   tokens_from_msgpack, split_tokens_json
@@ -1354,7 +1356,160 @@ done:
     return out;
 }
 
+
+/* --------------------------------------------------------- query answers */
+
+static PyObject *GPU_NAME; /* "GPU" */
+
+/* Append (wid) for every set bit of mask to *wids (a C array grown as needed). */
+static int
+mask_bits(PyObject *mask, Py_ssize_t **wids, Py_ssize_t *n, Py_ssize_t *cap)
+{
+    unsigned long long v = PyLong_AsUnsignedLongLong(mask);
+    unsigned char *bytes = NULL;
+    Py_ssize_t nbytes = 8;
+    PyObject *b = NULL;
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+            return -1;
+        PyErr_Clear(); /* more than 64 workers: read the mask's bytes */
+        PyObject *nb = PyObject_CallMethod(mask, "bit_length", NULL);
+        if (nb == NULL)
+            return -1;
+        nbytes = (PyLong_AsSsize_t(nb) + 7) / 8;
+        Py_DECREF(nb);
+        if (nbytes < 0)
+            return -1;
+        b = PyObject_CallMethod(mask, "to_bytes", "ns", nbytes, "little");
+        if (b == NULL)
+            return -1; /* a negative mask: never made by the index */
+        bytes = (unsigned char *)PyBytes_AS_STRING(b);
+    }
+    for (Py_ssize_t i = 0; i < nbytes; i++) {
+        unsigned int byte = bytes != NULL ? bytes[i] : (unsigned int)((v >> (8 * i)) & 0xff);
+        while (byte) {
+            int bit = __builtin_ctz(byte);
+            byte &= byte - 1;
+            if (*n == *cap) {
+                Py_ssize_t nc = *cap ? *cap * 2 : 64;
+                Py_ssize_t *nw = PyMem_Realloc(*wids, (size_t)nc * sizeof(Py_ssize_t));
+                if (nw == NULL) {
+                    Py_XDECREF(b);
+                    PyErr_NoMemory();
+                    return -1;
+                }
+                *wids = nw;
+                *cap = nc;
+            }
+            (*wids)[(*n)++] = i * 8 + bit;
+        }
+    }
+    Py_XDECREF(b);
+    return 0;
+}
+
+PyDoc_STRVAR(answers_doc,
+"answers(stops, rows, group, block_size, credit, stale_factor, now, cls) -> list\n\n"
+"The ranked answers of a GPU-only match in one group: for each (depth, mask) of\n"
+"`stops` and each worker id in `mask` with a row (engine, dp_rank, freshness) in\n"
+"`rows`, one `cls` tuple (-score, -blocks, engine, dp_rank, tier items, group items,\n"
+"tokens, freshness, now), sorted. Read-only. Same as result.gpu_answers.");
+
+static PyObject *
+answers(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyType_Check(args[7]) ||
+        !PyType_IsSubtype((PyTypeObject *)args[7], &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "answers(list, list, str, int, float, float, now, tuple subclass)");
+        return NULL;
+    }
+    PyObject *stops = args[0], *rows = args[1], *gname = args[2], *now = args[6];
+    PyTypeObject *cls = (PyTypeObject *)args[7];
+    Py_ssize_t bs = PyLong_AsSsize_t(args[3]);
+    double cg = PyFloat_AsDouble(args[4]), sf = PyFloat_AsDouble(args[5]);
+    if (PyErr_Occurred())
+        return NULL;
+    PyObject *out = PyList_New(0);
+    Py_ssize_t *wids = NULL, cap = 0;
+    if (out == NULL)
+        return NULL;
+    Py_ssize_t nrows = PyList_GET_SIZE(rows);
+    for (Py_ssize_t s = 0; s < PyList_GET_SIZE(stops); s++) {
+        PyObject *st = PyList_GET_ITEM(stops, s);
+        if (!PyTuple_Check(st) || PyTuple_GET_SIZE(st) != 2) {
+            PyErr_SetString(PyExc_TypeError, "a stop is a (depth, mask) tuple");
+            goto fail;
+        }
+        PyObject *depth = PyTuple_GET_ITEM(st, 0);
+        Py_ssize_t g = PyLong_AsSsize_t(depth);
+        if (g == -1 && PyErr_Occurred())
+            goto fail;
+        Py_ssize_t n = 0;
+        if (mask_bits(PyTuple_GET_ITEM(st, 1), &wids, &n, &cap) < 0)
+            goto fail;
+        if (n == 0)
+            continue;
+        double w = (double)g * cg;
+        PyObject *pair = PyTuple_Pack(2, GPU_NAME, depth);
+        PyObject *tier_items = pair ? PyTuple_Pack(1, pair) : NULL;
+        PyObject *gtrip = tier_items ? PyTuple_Pack(3, gname, tier_items, depth) : NULL;
+        PyObject *group_items = gtrip ? PyTuple_Pack(1, gtrip) : NULL;
+        PyObject *negw = PyFloat_FromDouble(-w), *negws = PyFloat_FromDouble(-w * sf);
+        PyObject *negt = PyLong_FromSsize_t(-g), *tokens = PyLong_FromSsize_t(g * bs);
+        Py_XDECREF(pair);
+        Py_XDECREF(gtrip);
+        int ok = group_items && negw && negws && negt && tokens;
+        for (Py_ssize_t i = 0; ok && i < n; i++) {
+            Py_ssize_t wid = wids[i];
+            PyObject *row = wid < nrows ? PyList_GET_ITEM(rows, wid) : Py_None;
+            if (row == Py_None)
+                continue; /* not a worker of this model */
+            if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) != 3 || !PyTuple_Check(PyTuple_GET_ITEM(row, 2)) ||
+                PyTuple_GET_SIZE(PyTuple_GET_ITEM(row, 2)) < 1) {
+                PyErr_SetString(PyExc_TypeError, "a row is (engine, dp_rank, (stale, ...))");
+                ok = 0;
+                break;
+            }
+            PyObject *fresh = PyTuple_GET_ITEM(row, 2);
+            int stale = PyObject_IsTrue(PyTuple_GET_ITEM(fresh, 0));
+            PyObject *t = stale < 0 ? NULL : cls->tp_alloc(cls, 9);
+            if (t == NULL) {
+                ok = 0;
+                break;
+            }
+            PyObject *items[9] = {stale ? negws : negw, negt, PyTuple_GET_ITEM(row, 0), PyTuple_GET_ITEM(row, 1),
+                                  tier_items, group_items, tokens, fresh, now};
+            for (int k = 0; k < 9; k++) {
+                Py_INCREF(items[k]);
+                PyTuple_SET_ITEM(t, k, items[k]);
+            }
+            if (PyList_Append(out, t) < 0)
+                ok = 0;
+            Py_DECREF(t);
+        }
+        Py_XDECREF(tier_items);
+        Py_XDECREF(group_items);
+        Py_XDECREF(negw);
+        Py_XDECREF(negws);
+        Py_XDECREF(negt);
+        Py_XDECREF(tokens);
+        if (!ok)
+            goto fail;
+    }
+    PyMem_Free(wids);
+    if (PyList_Sort(out) < 0) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    return out;
+fail:
+    PyMem_Free(wids);
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyMethodDef core_methods[] = {
+    {"answers", (PyCFunction)(void (*)(void))answers, METH_FASTCALL, answers_doc},
     {"block_keys", (PyCFunction)(void (*)(void))block_keys, METH_FASTCALL, block_keys_doc},
     {"tokens_from_msgpack", (PyCFunction)tokens_from_msgpack, METH_O, tokens_from_msgpack_doc},
     {"split_tokens_json", (PyCFunction)split_tokens_json, METH_O, split_tokens_json_doc},
@@ -1377,6 +1532,9 @@ PyInit__core(void)
     if (mod == NULL)
         return NULL;
     ZERO = PyLong_FromLong(0);
+    GPU_NAME = PyUnicode_InternFromString("GPU");
+    if (ZERO == NULL || GPU_NAME == NULL)
+        goto fail;
     DEAD = (PyObject *)node_make(0, Py_None, ZERO);
     if (DEAD == NULL)
         goto fail;

@@ -25,7 +25,7 @@ from typing import Any, Iterable, Sequence
 import msgspec
 
 from .keys import KEY_SEED, block_keys, query_extra_keys, seeds_for_blocks, tokens_to_bytes
-from .result import MatchResult, WorkerMatch
+from .result import MatchResult, WorkerMatch, _bits, gpu_answers
 from .route import route
 from .tree import DEAD, MAX_TIERS, Kids, Node, Tree, insert_gpu, walk
 from .wire import REMOVED, STORED, DecodeError, decode_batch, raw_array_len, token_bytes
@@ -78,10 +78,10 @@ class _WG:
 class _Worker:
     __slots__ = (
         "wid", "bit", "engine", "dp_rank", "model", "groups", "last_seq", "last_ts",
-        "last_apply", "stale", "stale_reason", "dropped", "batches", "restarts", "gaps", "fresh",
+        "last_apply", "stale", "stale_reason", "dropped", "batches", "restarts", "gaps", "fresh", "rows",
     )
 
-    def __init__(self, wid: int, engine: str, dp_rank: int, model: str) -> None:
+    def __init__(self, wid: int, engine: str, dp_rank: int, model: str, rows: list) -> None:
         self.wid = wid
         self.bit = 1 << wid
         self.engine = engine
@@ -97,21 +97,29 @@ class _Worker:
         self.batches = 0
         self.restarts = 0
         self.gaps = 0
+        self.rows = rows  # the model's rows: wid -> (engine, dp_rank, freshness)
+        if len(rows) <= wid:
+            rows.extend([None] * (wid + 1 - len(rows)))
         self.refresh()
 
     def refresh(self) -> None:
-        """Snapshot the freshness fields a query reports (one tuple, shared by answers)."""
+        """Snapshot the freshness fields a query reports (one tuple, shared by answers)
+        into ``fresh`` and the model's row of this worker."""
         self.fresh = (self.stale, self.stale_reason, self.last_seq, self.last_apply)
+        self.rows[self.wid] = (self.engine, self.dp_rank, self.fresh)
 
 
 class _Model:
-    __slots__ = ("name", "trees", "kinds", "workers", "_defaults", "tiered")
+    __slots__ = ("name", "trees", "kinds", "workers", "rows", "_defaults", "tiered")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.trees: dict[int, Tree] = {}
         self.kinds: dict[int, str | None] = {}
         self.workers: dict[int, _Worker] = {}
+        # wid -> (engine, dp_rank, freshness) or None: what a query's answers need
+        # of each worker, in one list the compiled answers() reads by index.
+        self.rows: list = []
         self._defaults: list[int] | None = None
         # Set once any non-GPU residency was stored: GPU-only fleets skip the
         # per-tier chunk scan on every query.
@@ -748,11 +756,11 @@ class PrefixIndex:
         else:
             wid = self._next_wid
             self._next_wid += 1
-        w = _Worker(wid, engine, rank, model)
-        self._workers[(engine, rank)] = w
         mo = self._models.get(model)
         if mo is None:
             mo = self._models[model] = _Model(model)
+        w = _Worker(wid, engine, rank, model, mo.rows)
+        self._workers[(engine, rank)] = w
         mo.workers[wid] = w
         return w
 
@@ -760,6 +768,7 @@ class PrefixIndex:
         self._drop_worker_tiers(w, None)
         del self._workers[(w.engine, w.dp_rank)]
         self._models[w.model].workers.pop(w.wid, None)
+        w.rows[w.wid] = None
         self._free_wids.append(w.wid)
 
     def _restart(self, w: _Worker) -> None:
@@ -962,6 +971,18 @@ class PrefixIndex:
         trees = m.trees
         if not trees:
             return MatchResult(m.name, None, 0, [], None)
+        if len(trees) == 1 and not m.tiered:
+            # The common shape: one attention group, GPU only. Its one group is the
+            # headline (R-APP-10); the walk's stops are the whole answer.
+            (g, tree), = trees.items()
+            bs = tree.block_size
+            d, stops, active, _ = walk(tree.root, keys_for(bs), False)
+            if d and active > 0:
+                stops.append((d, active))
+            out = gpu_answers(stops, m.rows, str(g), bs, self._credit_by_tid()[GPU], self.stale_factor,
+                              self._clock(), WorkerMatch) if stops else []
+            best = out[0] if out and out[0][1] < 0 else None
+            return tuple.__new__(MatchResult, (m.name, bs, ntok // bs, out, best))
         defaults = m.default_groups()
         head_bs = trees[defaults[0]].block_size
         # group -> {wid: (((tier name, blocks), ...), total blocks, weighted blocks)}
@@ -1250,20 +1271,6 @@ class PrefixIndex:
 
 
 _EMPTY: dict = {}
-
-
-def _bits(mask: int) -> list[int]:
-    """Indexes of the set bits of ``mask`` (worker ids), lowest first."""
-    if mask.bit_count() <= 8:
-        out = []
-        while mask:
-            low = mask & -mask
-            out.append(low.bit_length() - 1)
-            mask ^= low
-        return out
-    # Many bits (a shared prefix over a large fleet): scanning bin() is ~4x faster.
-    b = bin(mask)[:1:-1]
-    return [i for i, c in enumerate(b) if c == "1"]
 
 
 class _LazyKeys:

@@ -6,7 +6,9 @@ from typing import Any, NamedTuple
 
 from msgspec import Struct
 
-__all__ = ["MatchResult", "WorkerMatch"]
+from ._compiled import core as _core
+
+__all__ = ["MatchResult", "WorkerMatch", "gpu_answers"]
 
 
 # The JSON body as msgspec structs: encoded in C, to exactly the bytes of
@@ -131,15 +133,6 @@ class WorkerMatch(tuple):
             "last_event_age_s": self.last_event_age_s,
         }
 
-    def _out(self, memo: dict) -> _WorkerOut:
-        key = (self[4], self[5])
-        tg = memo.get(key)
-        if tg is None:
-            tg = memo[key] = (self.tiers, self.groups)
-        stale, reason, last_seq, t = self[7]
-        return _WorkerOut(self[2], self[3], tg[0], tg[1], -self[1], self[6], -self[0] + 0.0, stale, reason,
-                          last_seq, None if t is None else self[8] - t)
-
     def __repr__(self) -> str:
         return f"WorkerMatch({self.to_dict()!r})"
 
@@ -176,6 +169,60 @@ class MatchResult(NamedTuple):
         (byte for byte the same JSON, built faster). Workers with the same answer share
         their ``tiers`` and ``groups`` dicts, built once: not for mutation."""
         b = self.best
-        memo: dict = {}
-        return _MatchOut(self.model, self.block_size, self.query_blocks, [w._out(memo) for w in self.workers],
+        memo: dict = {}  # (tier items, group items) -> (tiers, groups)
+        out = []
+        append = out.append
+        for w in self.workers:
+            key = (w[4], w[5])
+            tg = memo.get(key)
+            if tg is None:
+                tg = memo[key] = (w.tiers, w.groups)
+            stale, reason, last_seq, t = w[7]
+            append(_WorkerOut(w[2], w[3], tg[0], tg[1], -w[1], w[6], -w[0] + 0.0, stale, reason, last_seq,
+                              None if t is None else w[8] - t))
+        return _MatchOut(self.model, self.block_size, self.query_blocks, out,
                          None if b is None else _BestOut(b.engine, b.dp_rank, b.score))
+
+
+def _bits(mask: int) -> list[int]:
+    """Indexes of the set bits of ``mask`` (worker ids), lowest first."""
+    if mask.bit_count() <= 8:
+        out = []
+        while mask:
+            low = mask & -mask
+            out.append(low.bit_length() - 1)
+            mask ^= low
+        return out
+    # Many bits (a shared prefix over a large fleet): scanning bin() is ~4x faster.
+    b = bin(mask)[:1:-1]
+    return [i for i, c in enumerate(b) if c == "1"]
+
+
+def _py_gpu_answers(stops: list, rows: list, group: str, block_size: int, credit: float, stale_factor: float,
+                    now: float, cls: type = WorkerMatch) -> list:
+    """The ranked answers of a GPU-only match in one group (read-only).
+
+    For each ``(depth, mask)`` of ``stops`` (where workers' GPU runs end) and each
+    worker id in ``mask`` with a row ``(engine, dp_rank, freshness)`` in ``rows``,
+    one ``cls`` tuple; workers stopping at one depth share its tier and group items.
+    Sorted: tuple order is the ranking (see :class:`WorkerMatch`)."""
+    out = []
+    tnew = tuple.__new__
+    nrows = len(rows)
+    for g, mask in stops:
+        tier_items = (("GPU", g),)
+        group_items = ((group, tier_items, g),)
+        w = g * credit
+        negw, negws, tokens = -w, -w * stale_factor, g * block_size
+        for wid in _bits(mask):
+            row = rows[wid] if wid < nrows else None
+            if row is None:
+                continue  # not a worker of this model
+            fresh = row[2]
+            out.append(tnew(cls, (negws if fresh[0] else negw, -g, row[0], row[1], tier_items, group_items,
+                                  tokens, fresh, now)))
+    out.sort()
+    return out
+
+
+gpu_answers = _core.answers if _core is not None else _py_gpu_answers

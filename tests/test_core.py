@@ -3,7 +3,8 @@
 * ``U64Map`` behaves as a dict for every key an engine can send (u64 ints in the
   table; bytes, negative and huge ints in its side dict), through growth,
   backward-shift deletion and shrinking;
-* ``Node``, ``insert_gpu`` and ``walk`` do what tree.py's pure twins do;
+* ``Node``, ``insert_gpu``, ``walk`` and ``answers`` do what their pure twins in
+  tree.py and result.py do;
 * ``block_keys`` is xxh3-64 of each block (R-KEY-2); the token readers (an
   event's msgpack array, a request's JSON body) accept exactly the plain uint32
   arrays and decline everything else;
@@ -212,6 +213,28 @@ def test_walk_matches_pure_python(stores, query, keep, chunk) -> None:
     d1, stops1, active1, path1 = core.walk(root, iter(chunks), keep)
     assert (d1, stops1, active1) == (d0, stops0, active0)
     assert path1 == path0  # the same node objects, or both None
+
+
+ROWS = st.lists(
+    st.one_of(st.none(), st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(0, 3),
+                                   st.tuples(st.booleans(), st.none(), st.none(), st.none()))),
+    max_size=140,
+)
+
+
+@given(ROWS, st.lists(st.tuples(st.integers(0, 600), st.integers(0, 2**150)), max_size=5, unique_by=lambda s: s[0]),
+       st.floats(0, 2), st.floats(0, 1))
+@settings(max_examples=200, deadline=None)
+def test_answers_match_pure_python(rows, stops, credit, stale_factor) -> None:
+    from indexer.result import WorkerMatch, _py_gpu_answers
+
+    args = (stops, rows, "0", 16, credit, stale_factor, 12.5, WorkerMatch)
+    got = core.answers(*args)
+    assert got == _py_gpu_answers(*args)
+    assert all(type(w) is WorkerMatch for w in got)
+    if got:  # workers at one depth share their items (the body builds their dicts once)
+        same = [w for w in got if w.total_blocks == got[0].total_blocks]
+        assert all(w.tier_items is same[0].tier_items for w in same)
 
 
 def test_R_KEY_2_compiled_block_keys_are_xxh3_of_each_block() -> None:
