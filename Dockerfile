@@ -4,8 +4,11 @@
 
 # --- build: a wheel of the project and of every runtime dependency --------------------
 FROM python:3.11-slim AS build
+# gcc builds the compiled core (indexer/_core.c) into the project's wheel.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md MANIFEST.in ./
 COPY indexer ./indexer
 COPY api ./api
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .

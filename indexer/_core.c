@@ -16,6 +16,9 @@
  *               dict inside, so every key a vLLM engine can send works.
  *   DEAD        the sentinel parent of freed nodes.
  *   insert_gpu  the hot loop of a GPU store (tree.insert_gpu is its reference).
+ *   remove_gpu  the loop of a GPU removal in an uncapped tree, with the freeing
+ *               of unheld nodes (PrefixIndex._remove_one and Tree.free_up are
+ *               its reference: the pure build runs them).
  *   walk        the GPU walk of a query (tree.walk is its reference).
  *   answers     the ranked per-worker answers of a GPU-only, one-group match
  *               (result.gpu_answers is its reference).
@@ -1357,6 +1360,196 @@ done:
 }
 
 
+/* Does the worker (bit) hold `n` in a tier other than GPU? (tiers: {tid: mask},
+ * chunk-end masks under -tid) */
+static int
+holds_other(Node *n, PyObject *bit)
+{
+    PyObject *t = n->tiers, *k, *v;
+    Py_ssize_t pos = 0;
+    if (t == Py_None)
+        return 0;
+    if (!PyDict_Check(t)) {
+        PyErr_SetString(PyExc_TypeError, "Node.tiers must be None or a dict");
+        return -1;
+    }
+    while (PyDict_Next(t, &pos, &k, &v)) {
+        long tid = PyLong_AsLong(k);
+        if (tid == -1 && PyErr_Occurred())
+            return -1;
+        if (tid <= 0)
+            continue;
+        PyObject *x = PyNumber_And(v, bit);
+        if (x == NULL)
+            return -1;
+        int r = PyObject_IsTrue(x);
+        Py_DECREF(x);
+        if (r != 0)
+            return r;
+    }
+    return 0;
+}
+
+/* Tree.free_up for an uncapped tree: free `n` and then its ancestors while they
+ * are leaves nobody holds (R-APP-9). Returns the nodes freed, -1 on error. */
+static Py_ssize_t
+free_up(Node *n, PyObject *root)
+{
+    Py_ssize_t freed = 0;
+    Py_INCREF(n);
+    while ((PyObject *)n != root && n->kids == Py_None && n->tiers == Py_None) {
+        int held = PyObject_IsTrue(n->gpu);
+        if (held != 0) {
+            if (held < 0)
+                goto fail;
+            break;
+        }
+        PyObject *p = n->parent;
+        if (p == DEAD || !IS_NODE(p))
+            break;
+        Node *parent = (Node *)p;
+        Py_INCREF(parent);
+        PyObject *kids = parent->kids;
+        if (kids == (PyObject *)n) {
+            NODE_SET(parent->kids, Py_None);
+        }
+        else if (IS_MAP(kids)) {
+            U64Map *km = (U64Map *)kids;
+            Py_ssize_t i = map_find(km, n->key);
+            if (i >= 0)
+                Py_DECREF(map_take(km, (size_t)i));
+            if (km->used == 1 && km->other == NULL) {
+                for (Py_ssize_t j = 0; j < km->cap; j++) {
+                    if (km->slots[j].val != NULL) {
+                        PyObject *only = km->slots[j].val;
+                        Py_INCREF(only);
+                        NODE_SET(parent->kids, only); /* releases the map */
+                        Py_DECREF(only);
+                        break;
+                    }
+                }
+            }
+        }
+        NODE_SET(n->parent, DEAD);
+        NODE_SET(n->dup, Py_None);
+        freed++;
+        Py_DECREF(n);
+        n = parent;
+    }
+    Py_DECREF(n);
+    return freed;
+fail:
+    Py_DECREF(n);
+    return -1;
+}
+
+PyDoc_STRVAR(remove_gpu_doc,
+"remove_gpu(wmap, root, hashes, bit, dupkey) -> (cleared, unknown, freed)\n\n"
+"One BlockRemoved of GPU blocks for one worker in an uncapped tree: each hash\n"
+"the worker holds loses one announcement (R-APP-4: a count above one just goes\n"
+"down); a block the worker no longer holds in any tier leaves `wmap`, and nodes\n"
+"nobody holds are freed up the chain (R-APP-9). Changes the tree, `wmap` and the\n"
+"nodes. Returns the residencies cleared (announcements counted down do not\n"
+"count), the hashes not held, the nodes freed.\n"
+"Same steps as PrefixIndex._remove_one with Tree.free_up.");
+
+static PyObject *
+remove_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || !IS_MAP(args[0]) || !IS_NODE(args[1]) || !PyList_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "remove_gpu(U64Map, Node, list, int, int)");
+        return NULL;
+    }
+    U64Map *wmap = (U64Map *)args[0];
+    PyObject *root = args[1], *hashes = args[2], *bit = args[3], *dupkey = args[4];
+    Py_ssize_t cleared = 0, unknown = 0, freed = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(hashes); i++) {
+        PyObject *h = PyList_GET_ITEM(hashes, i);
+        int err;
+        Node *n = (Node *)map_lookup(wmap, h, &err);
+        if (err)
+            return NULL;
+        if (n == NULL) {
+            unknown++;
+            continue;
+        }
+        Py_INCREF(n);
+        if (n->parent == DEAD) { /* freed by the node cap: forget the mapping */
+            PyObject *old = map_pop(wmap, h);
+            Py_XDECREF(old);
+            Py_DECREF(n);
+            if (old == NULL)
+                return NULL;
+            unknown++;
+            continue;
+        }
+        PyObject *x = PyNumber_And(n->gpu, bit);
+        int held = x == NULL ? -1 : PyObject_IsTrue(x);
+        Py_XDECREF(x);
+        if (held <= 0) {
+            Py_DECREF(n);
+            if (held < 0)
+                return NULL;
+            unknown++;
+            continue;
+        }
+        if (n->dup != Py_None && PyDict_Check(n->dup)) {
+            PyObject *c = PyDict_GetItemWithError(n->dup, dupkey);
+            if (c == NULL && PyErr_Occurred()) {
+                Py_DECREF(n);
+                return NULL;
+            }
+            long v = c == NULL ? 0 : PyLong_AsLong(c);
+            if (v > 0) { /* one of several announcements: the count goes down */
+                int r;
+                if (v == 1) {
+                    r = PyDict_DelItem(n->dup, dupkey);
+                    if (r == 0 && PyDict_GET_SIZE(n->dup) == 0)
+                        NODE_SET(n->dup, Py_None);
+                }
+                else {
+                    PyObject *nv = PyLong_FromLong(v - 1);
+                    r = nv == NULL ? -1 : PyDict_SetItem(n->dup, dupkey, nv);
+                    Py_XDECREF(nv);
+                }
+                Py_DECREF(n);
+                if (r < 0)
+                    return NULL;
+                continue;
+            }
+            if (v < 0 && PyErr_Occurred()) {
+                Py_DECREF(n);
+                return NULL;
+            }
+        }
+        PyObject *nm = PyNumber_Xor(n->gpu, bit);
+        if (nm == NULL) {
+            Py_DECREF(n);
+            return NULL;
+        }
+        PyObject *om = n->gpu;
+        n->gpu = nm;
+        Py_DECREF(om);
+        cleared++;
+        int other = holds_other(n, bit);
+        if (other == 0) {
+            PyObject *old = map_pop(wmap, h);
+            Py_ssize_t f = old == NULL ? -1 : free_up(n, root);
+            Py_XDECREF(old);
+            if (f < 0) {
+                Py_DECREF(n);
+                return NULL;
+            }
+            freed += f;
+        }
+        Py_DECREF(n);
+        if (other < 0)
+            return NULL;
+    }
+    return Py_BuildValue("(nnn)", cleared, unknown, freed);
+}
+
+
 /* --------------------------------------------------------- query answers */
 
 static PyObject *GPU_NAME; /* "GPU" */
@@ -1515,6 +1708,7 @@ static PyMethodDef core_methods[] = {
     {"split_tokens_json", (PyCFunction)split_tokens_json, METH_O, split_tokens_json_doc},
     {"insert_gpu", (PyCFunction)(void (*)(void))insert_gpu, METH_FASTCALL, insert_gpu_doc},
     {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL, walk_doc},
+    {"remove_gpu", (PyCFunction)(void (*)(void))remove_gpu, METH_FASTCALL, remove_gpu_doc},
     {NULL, NULL, 0, NULL},
 };
 

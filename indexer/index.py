@@ -27,7 +27,7 @@ import msgspec
 from .keys import KEY_SEED, block_keys, query_extra_keys, seeds_for_blocks, tokens_to_bytes
 from .result import MatchResult, WorkerMatch, _bits, gpu_answers
 from .route import route
-from .tree import DEAD, MAX_TIERS, Kids, Node, Tree, insert_gpu, walk
+from .tree import DEAD, MAX_TIERS, Kids, Node, Tree, insert_gpu, remove_gpu, walk
 from .wire import REMOVED, STORED, DecodeError, decode_batch, raw_array_len, token_bytes
 
 __all__ = ["PrefixIndex", "DEFAULT_CREDITS", "DEFAULT_GROUP_KINDS"]
@@ -593,13 +593,19 @@ class PrefixIndex:
             return "unknown_hash"
         tree = self._models[w.model].trees.get(group)
         wmap = wg.map
-        unknown = 0
-        for h in ev.block_hashes:
-            node = wmap.get(h)
-            if node is None:
-                unknown += 1
-            elif not self._remove_one(tree, wg, w, tid, h, node):
-                unknown += 1
+        if tid == GPU and remove_gpu is not None and tree.stamps is None:
+            # The compiled loop: _remove_one and Tree.free_up for the GPU tier.
+            cleared, unknown, freed = remove_gpu(wmap, tree.root, ev.block_hashes, w.bit, w.wid << 5)
+            wg.res[GPU] -= cleared
+            tree.nodes -= freed
+        else:
+            unknown = 0
+            for h in ev.block_hashes:
+                node = wmap.get(h)
+                if node is None:
+                    unknown += 1
+                elif not self._remove_one(tree, wg, w, tid, h, node):
+                    unknown += 1
         if unknown:
             self._count("removed_unknown_blocks", unknown)
             return "unknown_hash" if unknown == len(ev.block_hashes) else "applied_partial"

@@ -35,7 +35,7 @@ from msgspec import Struct
 from ._compiled import COMPILED
 from ._compiled import core as _core
 
-__all__ = ["Node", "Tree", "DEAD", "MAX_TIERS", "Kids", "COMPILED", "insert_gpu", "walk"]
+__all__ = ["Node", "Tree", "DEAD", "MAX_TIERS", "Kids", "COMPILED", "insert_gpu", "remove_gpu", "walk"]
 
 # Tier ids are packed into 5 bits of the ``dup`` keys.
 MAX_TIERS = 32
@@ -158,12 +158,15 @@ if _core is not None:  # see _compiled.py
     DEAD = _core.DEAD
     insert_gpu = _core.insert_gpu
     walk = _core.walk
+    # No pure twin: without the core, removals take PrefixIndex's general loop.
+    remove_gpu = _core.remove_gpu
 else:
     Node = _PyNode
     Kids = dict
     DEAD = Node(None, None)
     insert_gpu = _py_insert_gpu
     walk = _py_walk
+    remove_gpu = None
 
 
 class Tree:

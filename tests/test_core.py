@@ -31,8 +31,20 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from indexer import tree
 
-core = pytest.importorskip("indexer._core")
 ROOT = Path(__file__).resolve().parents[1]
+if os.environ.get("KVI_PURE_PYTHON", "") not in ("", "0"):
+    pytest.skip("the pure-Python build: nothing compiled to compare", allow_module_level=True)
+
+
+def test_the_compiled_core_is_built_and_used() -> None:
+    """The install builds it (a missing compiler only warns: this catches that)."""
+    from indexer import keys, result
+
+    assert tree.COMPILED and tree.Node.__module__ == "indexer._core"
+    assert keys._c_block_keys is not None and result.gpu_answers.__module__ == "indexer._core"
+
+
+from indexer import _core as core  # noqa: E402  (after the check above names what is missing)
 
 # Keys an engine can send: u64 ints (dense and sparse), and what the side dict takes.
 KEYS = st.one_of(

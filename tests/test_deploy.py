@@ -167,10 +167,10 @@ def test_the_image_install_step_works_in_a_fresh_venv_and_the_entry_point_starts
     install_cmd = next(r for r in runs if r[1] == "install")
     ctx = tmp_path / "src"
     ctx.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "MANIFEST.in"):
         shutil.copy(ROOT / name, ctx / name)
-    for pkg in ("indexer", "api"):
-        shutil.copytree(ROOT / pkg, ctx / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    for pkg in ("indexer", "api"):  # as .dockerignore leaves them: no bytecode, no built core
+        shutil.copytree(ROOT / pkg, ctx / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     wheels = tmp_path / "wheels"
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
@@ -186,6 +186,10 @@ def test_the_image_install_step_works_in_a_fresh_venv_and_the_entry_point_starts
     run(install_cmd)
     exe = venv / "bin" / "kv-indexer"
     assert exe.exists()
+    # The wheel carries the compiled core (the image has no compiler to build it later).
+    probe = subprocess.run([py, "-c", "import indexer.tree as t; print(t.COMPILED)"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+    assert probe.stdout.strip() == "True", probe.stderr[-2000:]
     port = free_port()
     env = {**os.environ, "KVI_HOST": "127.0.0.1", "KVI_PORT": str(port), "KVI_LOG_JSON": "true"}
     proc = subprocess.Popen([str(exe), "serve"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
