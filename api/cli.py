@@ -37,7 +37,7 @@ _HELP = {
     "log_level": "critical, error, warning, info or debug",
     "log_json": "log one JSON object per line",
     "access_log": "log every HTTP request",
-    "fast_path": "serve the query routes straight from ASGI (same answers, less latency)",
+    "fast_path": "answer the query routes ahead of FastAPI's middleware (same answers, less latency)",
     "demo": "also run a simulated fleet replaying the Mooncake trace (its engines are added)",
     "demo_engines": "demo: simulated engines",
     "demo_dp_size": "demo: DP ranks per engine",

@@ -76,7 +76,7 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     log_level: str = "info"
     log_json: bool = False
     access_log: bool = False
-    # Serve the hot query routes straight from ASGI (same handlers, ~45 us less per call).
+    # Answer the hot query routes ahead of FastAPI's middleware stack (same handlers, ~50 us less a call).
     fast_path: bool = True
     # The demo: a simulated fleet (engines x DP ranks, GPU + CPU tier) replaying the
     # Mooncake trace at this speed-up, routed by the index; its engines are added.
