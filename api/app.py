@@ -7,7 +7,7 @@ hot query routes are also answered before FastAPI's middleware stack and routing
 declares them, so ``/openapi.json`` and ``/docs`` describe every route and the same
 handler answers either way.
 
-Queries run on the event loop thread: a match takes the index lock for ~20 us, and
+Queries run on the event loop thread: a match takes the index lock for ~5-10 us, and
 the ingest thread yields between batches when a query waits (see ``PrefixIndex``).
 """
 
