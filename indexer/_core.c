@@ -699,7 +699,8 @@ static PyTypeObject NodeType = {
 #define IS_NODE(o) (Py_TYPE(o) == &NodeType)
 #define IS_MAP(o) (Py_TYPE(o) == &U64MapType)
 
-/* The child of `parent` keyed k (borrowed), or NULL. */
+/* The child of `parent` keyed k (borrowed), or NULL. Only nodes count as
+ * children: whatever else a map might hold is never treated as one. */
 static inline PyObject *
 child_of(Node *parent, uint64_t k)
 {
@@ -708,9 +709,24 @@ child_of(Node *parent, uint64_t k)
         return ((Node *)kids)->key == k ? kids : NULL;
     if (IS_MAP(kids)) {
         Py_ssize_t i = map_find((U64Map *)kids, k);
-        return i < 0 ? NULL : ((U64Map *)kids)->slots[i].val;
+        PyObject *v = i < 0 ? NULL : ((U64Map *)kids)->slots[i].val;
+        return v != NULL && IS_NODE(v) ? v : NULL;
     }
     return NULL;
+}
+
+/* The node a worker's map names under hash h (borrowed), or NULL; *err is set on
+ * an error, including a value that is not a node. */
+static inline Node *
+mapped_node(U64Map *wmap, PyObject *h, int *err)
+{
+    PyObject *v = map_lookup(wmap, h, err);
+    if (v != NULL && !IS_NODE(v)) {
+        PyErr_SetString(PyExc_TypeError, "a worker's hash map holds nodes only");
+        *err = 1;
+        return NULL;
+    }
+    return (Node *)v;
 }
 
 /* R-APP-4: one more announcement of a block the worker already holds. */
@@ -754,13 +770,6 @@ dup_add(Node *n, PyObject *dupkey)
     return r;
 }
 
-/* Borrowed node the worker maps under hash h, or NULL; (*err) on error. */
-static inline PyObject *
-wmap_get(U64Map *wmap, PyObject *h, int *err)
-{
-    return map_lookup(wmap, h, err);
-}
-
 PyDoc_STRVAR(insert_gpu_doc,
 "insert_gpu(wmap, parent, hashes, keys, bit, dupkey) -> (last, created, new)\n\n"
 "Attach a GPU store's blocks under `parent` for one worker: a hash the worker\n"
@@ -790,7 +799,7 @@ insert_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *h = PyList_GET_ITEM(hashes, i);
         int err;
-        Node *node = (Node *)wmap_get(wmap, h, &err);
+        Node *node = mapped_node(wmap, h, &err);
         if (err)
             goto fail;
         if (node == NULL || node->parent == DEAD) {
@@ -815,6 +824,10 @@ insert_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
                 else if (IS_MAP(kids)) {
                     ok = map_put((U64Map *)kids, k, (PyObject *)nn);
                 }
+                else if (!IS_NODE(kids)) {
+                    PyErr_SetString(PyExc_TypeError, "Node.kids must be None, a Node or a U64Map");
+                    ok = -1;
+                }
                 else { /* one child with another key: the node branches */
                     U64Map *km = map_new();
                     if (km == NULL || map_put(km, ((Node *)kids)->key, kids) < 0 ||
@@ -828,7 +841,7 @@ insert_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
                     }
                 }
                 if (ok < 0 || map_store(wmap, h, (PyObject *)nn) < 0) {
-                    Py_DECREF(nn); /* out of memory: the index is past saving */
+                    Py_DECREF(nn); /* out of memory, or a tree that is not one */
                     goto fail;
                 }
                 created++;
@@ -1466,7 +1479,7 @@ remove_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(hashes); i++) {
         PyObject *h = PyList_GET_ITEM(hashes, i);
         int err;
-        Node *n = (Node *)map_lookup(wmap, h, &err);
+        Node *n = mapped_node(wmap, h, &err);
         if (err)
             return NULL;
         if (n == NULL) {

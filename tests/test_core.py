@@ -306,6 +306,38 @@ def test_json_split_declines_what_is_not_a_plain_body(body) -> None:
     assert core.split_tokens_json(body) is None
 
 
+@given(st.binary(max_size=300))
+@settings(max_examples=1000, deadline=None)
+def test_token_readers_survive_any_bytes(raw) -> None:
+    """Whatever a publisher or a client sends reaches these readers: never a crash."""
+    b = core.tokens_from_msgpack(raw)
+    assert b is None or (isinstance(b, bytes) and len(b) % 4 == 0)
+    split = core.split_tokens_json(raw)
+    assert split is None or (len(split[1]) % 4 == 0 and split[0][:1] == b"{" and split[0][-1:] == b"}")
+    for text in (b'{"token_ids": [' + raw + b"]}", b'{"token_ids": [1], "m": ' + raw + b"}"):
+        split = core.split_tokens_json(text)
+        assert split is None or len(split[1]) % 4 == 0
+
+
+def test_malformed_trees_raise_instead_of_crashing() -> None:
+    """Only the index builds trees, but a stray value is a TypeError, never a bad read."""
+    root = core.Node(None, None)
+    wmap = core.U64Map({1: "not a node"})
+    with pytest.raises(TypeError):
+        core.insert_gpu(wmap, root, [1], [5], 1, 0)
+    with pytest.raises(TypeError):
+        core.remove_gpu(wmap, root, [1], 1, 0)
+    root.kids = 7
+    with pytest.raises(TypeError):
+        core.insert_gpu(core.U64Map(), root, [2], [5], 1, 0)
+    root.kids = core.U64Map({5: "not a node"})
+    assert core.walk(root, [[5]], False) == (0, [], -1, None)  # not a child: no match
+    with pytest.raises(TypeError):
+        core.answers([(1, 1)], [("e", 0)], "0", 16, 1.0, 0.5, 0.0, tree.Node)  # not a tuple type
+    with pytest.raises(TypeError):
+        core.answers([(1, 1)], [("e", 0, "not fresh")], "0", 16, 1.0, 0.5, 0.0, tuple)
+
+
 BODIES = [
     b'{"token_ids": [1, 2, 3]}',
     b'{"model": "m", "token_ids": [5], "model": "n"}',
