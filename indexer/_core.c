@@ -1617,9 +1617,24 @@ mask_bits(PyObject *mask, Py_ssize_t **wids, Py_ssize_t *n, Py_ssize_t *cap)
 PyDoc_STRVAR(answers_doc,
 "answers(stops, rows, group, block_size, credit, stale_factor, now, cls) -> list\n\n"
 "The ranked answers of a GPU-only match in one group: for each (depth, mask) of\n"
-"`stops` and each worker id in `mask` with a row (engine, dp_rank, freshness) in\n"
-"`rows`, one `cls` tuple (-score, -blocks, engine, dp_rank, tier items, group items,\n"
-"tokens, freshness, now), sorted. Read-only. Same as result.gpu_answers.");
+"`stops` and each worker id in `mask` with a row (engine, dp_rank, freshness,\n"
+"position) in `rows`, one `cls` tuple (-score, -blocks, engine, dp_rank, tier\n"
+"items, group items, tokens, freshness, now), in ranking order: deepest stop\n"
+"first, each stop's workers by position (their (engine, dp_rank) order), sorted\n"
+"outright only when a stale worker or a negative credit can change that order.\n"
+"Read-only. Same as result._py_gpu_answers.");
+
+typedef struct {
+    Py_ssize_t pos;
+    Py_ssize_t wid;
+} Ranked;
+
+static int
+by_pos(const void *a, const void *b)
+{
+    Py_ssize_t x = ((const Ranked *)a)->pos, y = ((const Ranked *)b)->pos;
+    return (x > y) - (x < y);
+}
 
 static PyObject *
 answers(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
@@ -1636,11 +1651,15 @@ answers(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
     if (PyErr_Occurred())
         return NULL;
     PyObject *out = PyList_New(0);
-    Py_ssize_t *wids = NULL, cap = 0;
+    Py_ssize_t *wids = NULL, cap = 0, rcap = 0;
+    Ranked *ranked = NULL;
     if (out == NULL)
         return NULL;
-    Py_ssize_t nrows = PyList_GET_SIZE(rows);
-    for (Py_ssize_t s = 0; s < PyList_GET_SIZE(stops); s++) {
+    Py_ssize_t nrows = PyList_GET_SIZE(rows), last = -1;
+    /* Deepest stop first, each by position: already the ranking unless a stale
+     * worker's lower score or a negative credit reorders it. */
+    int need_sort = cg < 0;
+    for (Py_ssize_t s = PyList_GET_SIZE(stops) - 1; s >= 0; s--) {
         PyObject *st = PyList_GET_ITEM(stops, s);
         if (!PyTuple_Check(st) || PyTuple_GET_SIZE(st) != 2) {
             PyErr_SetString(PyExc_TypeError, "a stop is a (depth, mask) tuple");
@@ -1650,11 +1669,40 @@ answers(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
         Py_ssize_t g = PyLong_AsSsize_t(depth);
         if (g == -1 && PyErr_Occurred())
             goto fail;
-        Py_ssize_t n = 0;
+        if (last >= 0 && g >= last)
+            need_sort = 1; /* stops not in increasing depth: rank outright */
+        last = g;
+        Py_ssize_t n = 0, k = 0;
         if (mask_bits(PyTuple_GET_ITEM(st, 1), &wids, &n, &cap) < 0)
             goto fail;
-        if (n == 0)
+        if (n > rcap) {
+            Ranked *nr = PyMem_Realloc(ranked, (size_t)n * sizeof(Ranked));
+            if (nr == NULL) {
+                PyErr_NoMemory();
+                goto fail;
+            }
+            ranked = nr;
+            rcap = n;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *row = wids[i] < nrows ? PyList_GET_ITEM(rows, wids[i]) : Py_None;
+            if (row == Py_None)
+                continue; /* not a worker of this model */
+            if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) != 4 || !PyTuple_Check(PyTuple_GET_ITEM(row, 2)) ||
+                PyTuple_GET_SIZE(PyTuple_GET_ITEM(row, 2)) < 1) {
+                PyErr_SetString(PyExc_TypeError, "a row is (engine, dp_rank, (stale, ...), position)");
+                goto fail;
+            }
+            Py_ssize_t pos = PyLong_AsSsize_t(PyTuple_GET_ITEM(row, 3));
+            if (pos == -1 && PyErr_Occurred())
+                goto fail;
+            ranked[k].pos = pos;
+            ranked[k].wid = wids[i];
+            k++;
+        }
+        if (k == 0)
             continue;
+        qsort(ranked, (size_t)k, sizeof(Ranked), by_pos);
         double w = (double)g * cg;
         PyObject *pair = PyTuple_Pack(2, GPU_NAME, depth);
         PyObject *tier_items = pair ? PyTuple_Pack(1, pair) : NULL;
@@ -1665,17 +1713,8 @@ answers(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
         Py_XDECREF(pair);
         Py_XDECREF(gtrip);
         int ok = group_items && negw && negws && negt && tokens;
-        for (Py_ssize_t i = 0; ok && i < n; i++) {
-            Py_ssize_t wid = wids[i];
-            PyObject *row = wid < nrows ? PyList_GET_ITEM(rows, wid) : Py_None;
-            if (row == Py_None)
-                continue; /* not a worker of this model */
-            if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) != 3 || !PyTuple_Check(PyTuple_GET_ITEM(row, 2)) ||
-                PyTuple_GET_SIZE(PyTuple_GET_ITEM(row, 2)) < 1) {
-                PyErr_SetString(PyExc_TypeError, "a row is (engine, dp_rank, (stale, ...))");
-                ok = 0;
-                break;
-            }
+        for (Py_ssize_t i = 0; ok && i < k; i++) {
+            PyObject *row = PyList_GET_ITEM(rows, ranked[i].wid);
             PyObject *fresh = PyTuple_GET_ITEM(row, 2);
             int stale = PyObject_IsTrue(PyTuple_GET_ITEM(fresh, 0));
             PyObject *t = stale < 0 ? NULL : cls->tp_alloc(cls, 9);
@@ -1683,11 +1722,13 @@ answers(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
                 ok = 0;
                 break;
             }
+            if (stale)
+                need_sort = 1;
             PyObject *items[9] = {stale ? negws : negw, negt, PyTuple_GET_ITEM(row, 0), PyTuple_GET_ITEM(row, 1),
                                   tier_items, group_items, tokens, fresh, now};
-            for (int k = 0; k < 9; k++) {
-                Py_INCREF(items[k]);
-                PyTuple_SET_ITEM(t, k, items[k]);
+            for (int j = 0; j < 9; j++) {
+                Py_INCREF(items[j]);
+                PyTuple_SET_ITEM(t, j, items[j]);
             }
             if (PyList_Append(out, t) < 0)
                 ok = 0;
@@ -1703,13 +1744,15 @@ answers(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
             goto fail;
     }
     PyMem_Free(wids);
-    if (PyList_Sort(out) < 0) {
+    PyMem_Free(ranked);
+    if (need_sort && PyList_Sort(out) < 0) {
         Py_DECREF(out);
         return NULL;
     }
     return out;
 fail:
     PyMem_Free(wids);
+    PyMem_Free(ranked);
     Py_DECREF(out);
     return NULL;
 }

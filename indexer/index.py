@@ -78,7 +78,7 @@ class _WG:
 class _Worker:
     __slots__ = (
         "wid", "bit", "engine", "dp_rank", "model", "groups", "last_seq", "last_ts",
-        "last_apply", "stale", "stale_reason", "dropped", "batches", "restarts", "gaps", "fresh", "rows",
+        "last_apply", "stale", "stale_reason", "dropped", "batches", "restarts", "gaps", "fresh", "rows", "pos",
     )
 
     def __init__(self, wid: int, engine: str, dp_rank: int, model: str, rows: list) -> None:
@@ -97,7 +97,8 @@ class _Worker:
         self.batches = 0
         self.restarts = 0
         self.gaps = 0
-        self.rows = rows  # the model's rows: wid -> (engine, dp_rank, freshness)
+        self.rows = rows  # the model's rows: wid -> (engine, dp_rank, freshness, position)
+        self.pos = 0  # this worker's place in its model's (engine, dp_rank) order (_Model.rank)
         if len(rows) <= wid:
             rows.extend([None] * (wid + 1 - len(rows)))
         self.refresh()
@@ -106,24 +107,34 @@ class _Worker:
         """Snapshot the freshness fields a query reports (one tuple, shared by answers)
         into ``fresh`` and the model's row of this worker."""
         self.fresh = (self.stale, self.stale_reason, self.last_seq, self.last_apply)
-        self.rows[self.wid] = (self.engine, self.dp_rank, self.fresh)
+        self.rows[self.wid] = (self.engine, self.dp_rank, self.fresh, self.pos)
 
 
 class _Model:
-    __slots__ = ("name", "trees", "kinds", "workers", "rows", "_defaults", "tiered")
+    __slots__ = ("name", "trees", "kinds", "workers", "rows", "ranked", "_defaults", "tiered")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.trees: dict[int, Tree] = {}
         self.kinds: dict[int, str | None] = {}
         self.workers: dict[int, _Worker] = {}
-        # wid -> (engine, dp_rank, freshness) or None: what a query's answers need
-        # of each worker, in one list the compiled answers() reads by index.
+        # wid -> (engine, dp_rank, freshness, position) or None: what a query's answers
+        # need of each worker, in one list the compiled answers() reads by index.
         self.rows: list = []
+        # Whether every worker's position is its place in (engine, dp_rank) order: a
+        # new worker clears it, the next query ranks again (a leaving one keeps it).
+        self.ranked = True
         self._defaults: list[int] | None = None
         # Set once any non-GPU residency was stored: GPU-only fleets skip the
         # per-tier chunk scan on every query.
         self.tiered = False
+
+    def rank(self) -> None:
+        """Give every worker its place in (engine, dp_rank) order, in its row."""
+        for i, w in enumerate(sorted(self.workers.values(), key=_engine_rank)):
+            w.pos = i
+            w.refresh()
+        self.ranked = True
 
     def set_kind(self, group: int, kind: str | None) -> None:
         self.kinds[group] = kind
@@ -139,6 +150,10 @@ class _Model:
 
 
 _EVENT_NAMES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+
+
+def _engine_rank(w: _Worker) -> tuple:
+    return w.engine, w.dp_rank
 
 
 class ModelRequiredError(KeyError):
@@ -768,6 +783,7 @@ class PrefixIndex:
         w = _Worker(wid, engine, rank, model, mo.rows)
         self._workers[(engine, rank)] = w
         mo.workers[wid] = w
+        mo.ranked = False
         return w
 
     def _remove_worker(self, w: _Worker) -> None:
@@ -985,6 +1001,8 @@ class PrefixIndex:
             d, stops, active, _ = walk(tree.root, keys_for(bs), False)
             if d and active > 0:
                 stops.append((d, active))
+            if not m.ranked:
+                m.rank()
             out = gpu_answers(stops, m.rows, str(g), bs, self._credit_by_tid()[GPU], self.stale_factor,
                               self._clock(), WorkerMatch) if stops else []
             best = out[0] if out and out[0][1] < 0 else None

@@ -203,26 +203,41 @@ def _py_gpu_answers(stops: list, rows: list, group: str, block_size: int, credit
     """The ranked answers of a GPU-only match in one group (read-only).
 
     For each ``(depth, mask)`` of ``stops`` (where workers' GPU runs end) and each
-    worker id in ``mask`` with a row ``(engine, dp_rank, freshness)`` in ``rows``,
-    one ``cls`` tuple; workers stopping at one depth share its tier and group items.
-    Sorted: tuple order is the ranking (see :class:`WorkerMatch`)."""
+    worker id in ``mask`` with a row ``(engine, dp_rank, freshness, position)`` in
+    ``rows``, one ``cls`` tuple; workers stopping at one depth share its tier and
+    group items. In ranking order (tuple order, see :class:`WorkerMatch`): deepest
+    stop first, each stop's workers by position (their ``(engine, dp_rank)`` order),
+    sorted outright only when a stale worker or a negative credit can change that."""
     out = []
     tnew = tuple.__new__
     nrows = len(rows)
-    for g, mask in stops:
+    need_sort = credit < 0
+    last = None
+    for g, mask in reversed(stops):
+        if last is not None and g >= last:
+            need_sort = True  # stops not in increasing depth: rank outright
+        last = g
+        here = [rows[wid] for wid in _bits(mask) if wid < nrows and rows[wid] is not None]
+        if not here:
+            continue
+        here.sort(key=_position)
         tier_items = (("GPU", g),)
         group_items = ((group, tier_items, g),)
         w = g * credit
         negw, negws, tokens = -w, -w * stale_factor, g * block_size
-        for wid in _bits(mask):
-            row = rows[wid] if wid < nrows else None
-            if row is None:
-                continue  # not a worker of this model
+        for row in here:
             fresh = row[2]
+            if fresh[0]:
+                need_sort = True
             out.append(tnew(cls, (negws if fresh[0] else negw, -g, row[0], row[1], tier_items, group_items,
                                   tokens, fresh, now)))
-    out.sort()
+    if need_sort:
+        out.sort()
     return out
+
+
+def _position(row: tuple) -> int:
+    return row[3]
 
 
 gpu_answers = _core.answers if _core is not None else _py_gpu_answers

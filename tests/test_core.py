@@ -227,22 +227,35 @@ def test_walk_matches_pure_python(stores, query, keep, chunk) -> None:
     assert path1 == path0  # the same node objects, or both None
 
 
-ROWS = st.lists(
-    st.one_of(st.none(), st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(0, 3),
-                                   st.tuples(st.booleans(), st.none(), st.none(), st.none()))),
-    max_size=140,
-)
+@st.composite
+def _rows(draw):
+    """A model's rows: (engine, dp_rank, freshness, position) or None, with positions
+    the (engine, dp_rank) order as _Model.rank gives them, and unique workers."""
+    n = draw(st.integers(0, 140))
+    present = [i for i in range(n) if draw(st.booleans())]
+    names = draw(st.lists(st.tuples(st.sampled_from("abcdefgh"), st.integers(0, 40)), min_size=len(present),
+                          max_size=len(present), unique=True))
+    order = {x: i for i, x in enumerate(sorted(names))}
+    stale = draw(st.lists(st.booleans(), min_size=len(present), max_size=len(present)))
+    rows: list = [None] * n
+    for wid, (e, r), s in zip(present, names, stale):
+        rows[wid] = (e, r, (s, None, None, None), order[(e, r)])
+    return rows
 
 
-@given(ROWS, st.lists(st.tuples(st.integers(0, 600), st.integers(0, 2**150)), max_size=5, unique_by=lambda s: s[0]),
-       st.floats(0, 2), st.floats(0, 1))
-@settings(max_examples=200, deadline=None)
-def test_answers_match_pure_python(rows, stops, credit, stale_factor) -> None:
+STOPS = st.lists(st.tuples(st.integers(0, 600), st.integers(0, 2**150)), max_size=5, unique_by=lambda s: s[0])
+
+
+@given(_rows(), STOPS, st.booleans(), st.floats(-1, 2), st.floats(0, 1))
+@settings(max_examples=300, deadline=None)
+def test_answers_match_pure_python(rows, stops, ascending, credit, stale_factor) -> None:
     from indexer.result import WorkerMatch, _py_gpu_answers
 
+    stops = sorted(stops) if ascending else stops  # the walk's are ascending; others are ranked outright
     args = (stops, rows, "0", 16, credit, stale_factor, 12.5, WorkerMatch)
     got = core.answers(*args)
     assert got == _py_gpu_answers(*args)
+    assert got == sorted(got)  # in ranking order, whether it had to sort or not
     assert all(type(w) is WorkerMatch for w in got)
     if got:  # workers at one depth share their items (the body builds their dicts once)
         same = [w for w in got if w.total_blocks == got[0].total_blocks]
@@ -335,7 +348,7 @@ def test_malformed_trees_raise_instead_of_crashing() -> None:
     with pytest.raises(TypeError):
         core.answers([(1, 1)], [("e", 0)], "0", 16, 1.0, 0.5, 0.0, tree.Node)  # not a tuple type
     with pytest.raises(TypeError):
-        core.answers([(1, 1)], [("e", 0, "not fresh")], "0", 16, 1.0, 0.5, 0.0, tuple)
+        core.answers([(1, 1)], [("e", 0, "not fresh", 0)], "0", 16, 1.0, 0.5, 0.0, tuple)
 
 
 BODIES = [

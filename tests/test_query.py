@@ -251,6 +251,33 @@ def test_R_Q_3_ties_broken_by_engine_then_rank(ver):
     assert r.to_dict()["best"] == {"engine": "alpha", "dp_rank": 0, "score": pytest.approx(3.0)}
 
 
+def test_R_Q_3_ranking_holds_as_workers_join_leave_and_go_stale():
+    """Answers come out in ranking order without a full sort when they can (workers kept
+    in (engine, rank) order per model): that order must follow workers that join after
+    a query, leave, or go stale, at several depths at once."""
+    idx = PrefixIndex()
+    t = toks(1, 4, 4)
+
+    def ranked():
+        r = idx.match(t)
+        assert list(r.workers) == sorted(r.workers)  # tuple order is the ranking
+        return [(w.engine, w.dp_rank, w.total_blocks) for w in r.workers]
+
+    for i, (engine, n) in enumerate([("w9", 4), ("w10", 4), ("w1", 2), ("w5", 4), ("w3", 2)]):
+        apply(idx, [store(t, 4, 0, n)], engine=engine, dp_rank=i % 2)
+    assert ranked() == [("w10", 1, 4), ("w5", 1, 4), ("w9", 0, 4), ("w1", 0, 2), ("w3", 0, 2)]
+    apply(idx, [store(t, 4, 0, 4)], engine="w0", dp_rank=3)  # joins after a query
+    assert ranked()[0] == ("w0", 3, 4)
+    assert idx.drop_worker("w5", 1)
+    # Stale: 4 blocks at half credit score 2.0, as the 2-block workers do; more blocks
+    # break the tie, so it drops behind w9 and stays ahead of w1 and w3.
+    idx.mark_stale("w10", 1, reason="replay_timeout")
+    assert ranked() == [("w0", 3, 4), ("w9", 0, 4), ("w10", 1, 4), ("w1", 0, 2), ("w3", 0, 2)]
+    r = idx.match(t)
+    assert [w.score for w in r.workers] == sorted((w.score for w in r.workers), reverse=True)
+    assert r.worker("w10", 1).stale and r.worker("w10", 1).score == pytest.approx(2.0)
+
+
 @pytest.mark.parametrize("vdir", sorted(golden.VERSIONS))
 def test_R_Q_3_golden_dp_rank_tie(vdir):
     idx = PrefixIndex()
