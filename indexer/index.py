@@ -27,7 +27,7 @@ import msgspec
 from .keys import KEY_SEED, block_keys, query_extra_keys, seeds_for_blocks, tokens_to_bytes
 from .result import MatchResult, WorkerMatch, _bits, gpu_answers
 from .route import route
-from .tree import DEAD, MAX_TIERS, Kids, Node, Tree, insert_gpu, remove_gpu, walk
+from .tree import DEAD, MAX_TIERS, Kids, Node, Tree, dup_add, insert_gpu, remove_gpu, walk
 from .wire import REMOVED, STORED, DecodeError, decode_batch, raw_array_len, token_bytes
 
 __all__ = ["PrefixIndex", "DEFAULT_CREDITS", "DEFAULT_GROUP_KINDS"]
@@ -441,7 +441,7 @@ class PrefixIndex:
             if tid == GPU:
                 m = node.gpu
                 if m & bit:
-                    self._dup_add(node, w.wid, tid)
+                    dup_add(node, (w.wid << 5) | tid)
                 else:
                     node.gpu = m | bit
                     new += 1
@@ -453,7 +453,7 @@ class PrefixIndex:
                 else:
                     m = tiers.get(tid, 0)
                     if m & bit:
-                        self._dup_add(node, w.wid, tid)
+                        dup_add(node, (w.wid << 5) | tid)
                     else:
                         tiers[tid] = m | bit
                         new += 1
@@ -485,15 +485,6 @@ class PrefixIndex:
         seed = KEY_SEED if (not lora and not extra) else seeds_for_blocks(n, lora, extra)
         return block_keys(buf, block_size, seed)
 
-    @staticmethod
-    def _dup_add(node: Node, wid: int, tid: int) -> None:
-        d = node.dup
-        k = (wid << 5) | tid
-        if d is None:
-            node.dup = {k: 1}
-        else:
-            d[k] = d.get(k, 0) + 1
-
     def _on_placeholder(self, w: _Worker, ev, tid: int, group: int) -> str:
         """R-APP-6: residency on nodes the worker already maps by hash; never a new node."""
         wg = w.groups.get(group)
@@ -512,7 +503,7 @@ class PrefixIndex:
             hit += 1
             if tid == GPU:
                 if node.gpu & bit:
-                    self._dup_add(node, w.wid, tid)
+                    dup_add(node, (w.wid << 5) | tid)
                 else:
                     node.gpu |= bit
                     new += 1
@@ -522,7 +513,7 @@ class PrefixIndex:
                     tiers = node.tiers = {}
                 m = tiers.get(tid, 0)
                 if m & bit:
-                    self._dup_add(node, w.wid, tid)
+                    dup_add(node, (w.wid << 5) | tid)
                 else:
                     tiers[tid] = m | bit
                     new += 1
@@ -916,7 +907,7 @@ class PrefixIndex:
         """Longest-prefix match of a prompt for every worker of ``model`` (R-Q-1, R-Q-2).
 
         ``token_ids`` are ints, or already their little-endian uint32 bytes (as
-        :func:`indexer.keys.json_tokens_to_bytes` makes them). Keys are computed
+        :func:`indexer.keys.split_json_tokens` reads them from a request). Keys are computed
         for every full block at each group's block size; a trailing partial block
         is ignored. Read-only (R-Q-4).
 

@@ -20,9 +20,10 @@ child: most nodes of a prefix tree have exactly one child.
 Two implementations share this layout. The compiled core (``indexer/_core.c``)
 keeps a node's key as a uint64 inside a 64-byte node and its maps (a worker's
 engine hash -> node, a node's key -> child) as tables of 16-byte slots, with no
-Python object per key; its ``insert_gpu`` and ``walk`` run the two hot loops. The
-pure-Python twins below (a msgspec node, dicts, the same two loops) are the
-fallback when the module is not built and the reference the tests hold it to.
+Python object per key; its ``insert_gpu``, ``walk`` and ``remove_gpu`` run the hot
+loops. The pure-Python twins below (a msgspec node, dicts, the same store and walk
+loops; removals take ``PrefixIndex``'s general loop) are the fallback when the
+module is not built and the reference the tests hold it to.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from msgspec import Struct
 from ._compiled import COMPILED
 from ._compiled import core as _core
 
-__all__ = ["Node", "Tree", "DEAD", "MAX_TIERS", "Kids", "COMPILED", "insert_gpu", "remove_gpu", "walk"]
+__all__ = ["Node", "Tree", "DEAD", "MAX_TIERS", "Kids", "COMPILED", "dup_add", "insert_gpu", "remove_gpu", "walk"]
 
 # Tier ids are packed into 5 bits of the ``dup`` keys.
 MAX_TIERS = 32
@@ -58,6 +59,16 @@ class _PyNode(Struct, eq=False, gc=False):
     gpu: int = 0
     tiers: Any = None
     dup: Any = None
+
+
+def dup_add(node, dupkey: int) -> None:
+    """Count one more announcement of a block its worker already holds (R-APP-4):
+    ``dupkey`` is ``(wid << 5) | tier id``."""
+    d = node.dup
+    if d is None:
+        node.dup = {dupkey: 1}
+    else:
+        d[dupkey] = d.get(dupkey, 0) + 1
 
 
 def _py_insert_gpu(wmap, parent, hashes: list, keys: list, bit: int, dupkey: int):
@@ -96,11 +107,7 @@ def _py_insert_gpu(wmap, parent, hashes: list, keys: list, bit: int, dupkey: int
             wmap[h] = node
         m = node.gpu
         if m & bit:
-            d = node.dup
-            if d is None:
-                node.dup = {dupkey: 1}
-            else:
-                d[dupkey] = d.get(dupkey, 0) + 1
+            dup_add(node, dupkey)
         else:
             node.gpu = m | bit
             added += 1
