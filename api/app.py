@@ -27,7 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from indexer import PrefixIndex
 from indexer.index import ModelRequiredError
 from indexer.discovery import DnsDiscovery
-from indexer.ingest import EngineConfig, Indexer
+from indexer.engines import EngineConfig
+from indexer.ingest import Indexer
 from indexer.keys import split_json_tokens
 from indexer.route import Load, route
 

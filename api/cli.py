@@ -179,8 +179,8 @@ def start_demo(settings: Settings):
     import msgspec
 
     from indexer import PrefixIndex
-    from indexer.ingest import EngineConfig
-    from indexer.sim import TRACE, Fleet, IndexRouter, synthetic_requests, trace_requests
+    from indexer.engines import EngineConfig
+    from indexer.producer.sim import TRACE, Fleet, IndexRouter, synthetic_requests, trace_requests
 
     # A replay ring of 200 batches per worker covers the start-up (a late join is repaired
     # from it) without holding ~90 KB per served request for long.
@@ -225,7 +225,7 @@ def _run(uvicorn, app, settings: Settings) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd == "demo-prompt":
-        from indexer.sim import TRACE, trace_requests
+        from indexer.producer.sim import TRACE, trace_requests
 
         if not TRACE.exists():
             print(f"kv-indexer: no trace at {TRACE} (set KVI_TRACE)", file=sys.stderr)

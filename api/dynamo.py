@@ -22,7 +22,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from indexer.ingest import EngineConfig
+from indexer.engines import EngineConfig
 
 from . import schemas
 from .common import ENC, JSON, HTTPError, off_loop, u64_keys

@@ -13,7 +13,7 @@ TokenId = Annotated[int, Meta(ge=0, le=2**32 - 1, description="a token id (uint3
 BlockKey = Annotated[int, Meta(ge=-(2**63), description="xxh3-64 block key (u64; a signed i64 is taken mod 2^64)")]
 Name = Annotated[str, Meta(min_length=1, max_length=256)]
 Count = Annotated[int, Meta(ge=0, le=2**53)]
-# What a SUB/DEALER can connect to; the same rule as indexer.ingest.check_endpoint, so
+# What a SUB/DEALER can connect to; the same rule as indexer.engines.check_endpoint, so
 # a schema-valid endpoint is one the service accepts (ports 1-65535).
 _PORT = r"([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
 Endpoint = Annotated[str, Meta(

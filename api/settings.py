@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import msgspec
 
-from indexer.ingest import EngineConfig
+from indexer.engines import EngineConfig
 
 ENV_PREFIX = "KVI_"
 

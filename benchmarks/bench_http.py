@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workload as wl  # noqa: E402
 from _report import DYNAMO_PY, ROOT, header, lat_stats_us, peer_available, ratio, table  # noqa: E402
 
-from indexer.publisher import VllmPublisher  # noqa: E402
+from indexer.producer.publisher import VllmPublisher  # noqa: E402
 
 TARGET_HTTP_MATCH_1K_US = 250.0
 LONG_BLOCKS = 512

@@ -3,7 +3,7 @@
 What is measured:
 
 * ``--publishers`` separate processes (default: one per worker of the workload),
-  each a :class:`indexer.publisher.VllmPublisher` (vLLM's frames, sequence
+  each a :class:`indexer.producer.publisher.VllmPublisher` (vLLM's frames, sequence
   numbers and replay socket) that sends its worker's pre-encoded vLLM 0.33 batch
   payloads back to back, all at once, over ``tcp://127.0.0.1``;
 * one :class:`indexer.ingest.Indexer` in this process, subscribed to all of them;
@@ -36,7 +36,7 @@ import workload as wl  # noqa: E402
 from _report import header, table  # noqa: E402
 
 from indexer.ingest import Indexer  # noqa: E402
-from indexer.publisher import VllmPublisher  # noqa: E402
+from indexer.producer.publisher import VllmPublisher  # noqa: E402
 
 TARGET = 1_000_000
 

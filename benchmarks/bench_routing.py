@@ -1,5 +1,5 @@
 """Routing quality on the Mooncake conversation trace: index-driven routing vs round robin
-vs least loaded (``indexer.sim``).
+vs least loaded (``indexer.producer.sim``).
 
 What is measured: the trace's requests in order (``--requests``, all 12,031 by default;
 each ``hash_id`` expands to 512 deterministic tokens) served by a fleet of ``--engines``
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _report import ROOT, header, table  # noqa: E402
 
-from indexer.sim import compare_policies, trace_requests  # noqa: E402
+from indexer.producer.sim import compare_policies, trace_requests  # noqa: E402
 
 POLICIES = ("round_robin", "least_loaded", "index", "index_cache_only")
 
@@ -64,12 +64,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick and not args.requests:
         args.requests = 2000
-    header("Routing quality on the Mooncake trace (indexer.sim)", argparse.Namespace())
+    header("Routing quality on the Mooncake trace (indexer.producer.sim)", argparse.Namespace())
     reqs = list(trace_requests(limit=args.requests or None))
     print(f"{len(reqs):,} requests, {sum(len(r.tokens) for r in reqs):,} prompt tokens, "
           f"{reqs[-1].t / 60:.1f} trace minutes; {args.engines} engines, GPU {args.gpu_blocks:,} blocks each\n")
     # The trace's own ceiling: one engine that never evicts (no index needed).
-    from indexer.sim import RoundRobin, SimEngine, simulate
+    from indexer.producer.sim import RoundRobin, SimEngine, simulate
 
     bound = simulate(reqs, [SimEngine("bound", gpu_blocks=10**9)], RoundRobin(), prefill_tps=args.prefill_tps)
     print(f"ceiling (one engine, nothing ever evicted): hit rate {bound.hit_rate:.1%}, "

@@ -1,7 +1,7 @@
 """Deterministic KV-event workloads shared by the benchmarks (not a benchmark itself).
 
 Two workloads, both built as plain events first (:class:`Event`), then encoded
-either as vLLM batch payloads (``indexer.testing.encode_batch``, vLLM 0.33 map
+either as vLLM batch payloads (``indexer.producer.events.encode_batch``, vLLM 0.33 map
 layout) for our index or as NVIDIA Dynamo ``KvCacheEvent`` JSON for its
 ``RadixTree`` (``peer_dynamo.py``), so both sides see the same stream.
 
@@ -60,7 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from indexer.testing import Removed, Stored, encode_batch  # noqa: E402
+from indexer.producer.events import Removed, Stored, encode_batch  # noqa: E402
 
 MOONCAKE = ROOT.parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
 CACHE_DIR = Path(__file__).resolve().parent / "results" / "cache"

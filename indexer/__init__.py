@@ -26,7 +26,7 @@ __all__ = [
     "namespace_seed",
 ]
 
-_LAZY = {"Indexer": "ingest", "EngineConfig": "ingest", "VllmPublisher": "publisher"}
+_LAZY = {"Indexer": "ingest", "EngineConfig": "engines", "VllmPublisher": "producer.publisher"}
 
 
 def __getattr__(name: str):

@@ -17,7 +17,7 @@ import sys
 import msgspec
 
 from .index import PrefixIndex
-from .testing import Removed, Stored, encode_batch
+from .producer.events import Removed, Stored, encode_batch
 from .wire import DecodeError, decode_batch, decode_tokens
 
 BLOCK = 16

@@ -16,7 +16,8 @@ import threading
 import time
 from typing import Callable, Iterable
 
-from .ingest import EngineConfig, Indexer
+from .engines import EngineConfig
+from .ingest import Indexer
 
 __all__ = ["DnsDiscovery", "resolve_addresses"]
 

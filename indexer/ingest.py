@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import queue
 import threading
 import time
@@ -41,7 +40,7 @@ import msgspec
 import zmq
 
 from .index import PrefixIndex
-from .publisher import END_SEQ, offset_endpoint
+from .engines import END_SEQ, EngineConfig, as_config, offset_endpoint
 from .wire import peek_ts
 from .result import MatchResult
 
@@ -53,56 +52,6 @@ log = logging.getLogger("indexer.ingest")
 # buffers 10,000 batches by default; the bound only stops a replay server that
 # never ends from growing memory (past it, a live copy would count as a restart).
 _MAX_REPLAYED = 1 << 20
-
-
-_TCP = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
-
-
-def check_endpoint(endpoint: str, what: str) -> None:
-    """Raise ValueError unless ``endpoint`` is something a SUB/DEALER can connect to."""
-    if endpoint.startswith("tcp://"):
-        m = _TCP.match(endpoint)
-        if m is None or not 0 < int(m.group(2)) < 65536:
-            raise ValueError(f"{what}: expected tcp://HOST:PORT with a port 1-65535, got {endpoint!r}")
-    elif endpoint.startswith(("ipc://", "inproc://")):
-        if endpoint.endswith("//"):
-            raise ValueError(f"{what}: empty address in {endpoint!r}")
-    else:
-        raise ValueError(f"{what}: endpoint must be tcp://, ipc:// or inproc://, got {endpoint!r}")
-
-
-class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One vLLM engine (contract §1): its DP rank ``r`` publishes on the ports plus ``r``.
-
-    ``dp_rank_start`` lets one config cover ranks ``start .. start+dp_size-1`` only, the
-    first of them on ``endpoint`` itself (Dynamo registers each DP rank with its own
-    endpoint); configs of one id may then cover disjoint rank ranges.
-    """
-
-    id: str
-    endpoint: str
-    model: str = "default"
-    replay_endpoint: str | None = None
-    topic: str = ""
-    dp_size: int = 1
-    dp_rank_start: int = 0
-
-    @property
-    def ranks(self) -> range:
-        return range(self.dp_rank_start, self.dp_rank_start + self.dp_size)
-
-    def __post_init__(self) -> None:
-        if not self.id:
-            raise ValueError("engine id must not be empty")
-        if not 1 <= self.dp_size <= 1024:
-            raise ValueError(f"engine {self.id}: dp_size must be 1..1024, got {self.dp_size}")
-        if not 0 <= self.dp_rank_start <= 1023:
-            raise ValueError(f"engine {self.id}: dp_rank_start must be 0..1023, got {self.dp_rank_start}")
-        # Every DP rank's ports (base + rank) must be valid too.
-        for r in (0, self.dp_size - 1):
-            check_endpoint(offset_endpoint(self.endpoint, r), f"engine {self.id} endpoint")
-            if self.replay_endpoint is not None:
-                check_endpoint(offset_endpoint(self.replay_endpoint, r), f"engine {self.id} replay_endpoint")
 
 
 class _Sub:
@@ -200,7 +149,7 @@ class Indexer:
         self._replaying: set = set()
         self.error: str | None = None  # set if the ingest thread died (see ``running``)
         for e in engines:
-            self._add(_as_config(e))
+            self._add(as_config(e))
 
     # ------------------------------------------------------------- public API
 
@@ -263,7 +212,7 @@ class Indexer:
         ValueError
             When the id is taken by a different configuration, or a field is bad.
         """
-        cfg = _as_config(engine if engine is not None else fields)
+        cfg = as_config(engine if engine is not None else fields)
         return self._call("add", cfg)
 
     def remove_engine(self, engine_id: str, dp_rank: int | None = None) -> bool:
@@ -767,12 +716,3 @@ class Indexer:
 def _yield_gil() -> None:
     # sleep(0) releases the GIL so a query blocked on it runs now.
     time.sleep(0)
-
-
-def _as_config(e: EngineConfig | dict) -> EngineConfig:
-    if isinstance(e, EngineConfig):
-        return e
-    try:
-        return msgspec.convert(e, EngineConfig)
-    except msgspec.ValidationError as err:
-        raise ValueError(f"bad engine configuration: {err}") from None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import xxhash
 
 import golden
-from indexer.testing import Removed, Stored, encode_batch
+from indexer.producer.events import Removed, Stored, encode_batch
 
 WIRE = ["0.33", "0.23"]  # map layout and positional (array) layout
 FA = "full_attention"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from indexer.testing import Cleared, Removed, Stored
+from indexer.producer.events import Cleared, Removed, Stored
 
 GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "vllm-golden"
 VERSIONS = {"v0.23.0": "0.23", "v0.24.0": "0.24", "v0.33.0": "0.33"}
@@ -40,7 +40,7 @@ def frames(version_dir: str) -> dict:
 
 
 def as_events(decoded_events: list) -> list:
-    """index.json events (either layout) as :mod:`indexer.testing` producer events."""
+    """index.json events (either layout) as :mod:`indexer.producer.events` producer events."""
     out = []
     for e in decoded_events:
         if isinstance(e, list):

@@ -1,6 +1,6 @@
 """Contract section 4 (R-APP-1 .. R-APP-11) plus the sequence rules R-STR-1 / R-STR-5.
 
-Every payload is built with :func:`indexer.testing.encode_batch` (the bytes vLLM
+Every payload is built with :func:`indexer.producer.events.encode_batch` (the bytes vLLM
 publishes) or read from the golden vLLM payloads (``tests/golden.py``). The
 important cases run over both wire layouts: "0.33" (maps) and "0.23" (arrays).
 
@@ -20,7 +20,7 @@ import pytest
 
 import golden
 from indexer import PrefixIndex
-from indexer.testing import Cleared, Stored, encode_batch
+from indexer.producer.events import Cleared, Stored, encode_batch
 
 from evkit import (
     ENGINE, FA, GOLDEN_DIRS, WIRE, FakeClock, apply, chunks, counter, ehashes, ev, golden_events,

@@ -11,7 +11,7 @@ import pytest
 from evkit import store, toks
 from indexer.discovery import DnsDiscovery, resolve_addresses
 from indexer.ingest import Indexer
-from indexer.publisher import VllmPublisher
+from indexer.producer.publisher import VllmPublisher
 from svc import Server, free_port, wait_for, wait_subscribed
 
 

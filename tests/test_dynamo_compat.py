@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from indexer.publisher import VllmPublisher
-from indexer.testing import Stored
+from indexer.producer.publisher import VllmPublisher
+from indexer.producer.events import Stored
 from svc import Client, Server, free_port, wait_for, wait_subscribed
 
 REC = json.loads((Path(__file__).parent / "data" / "dynamo" / "recorded.json").read_text())["exchanges"]

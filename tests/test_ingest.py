@@ -2,7 +2,7 @@
 
 Every socket is on 127.0.0.1; every wait is a bounded poll (``wait_until``); every
 publisher, indexer and raw socket is closed by the ``rig`` fixture. Publishers are
-:class:`indexer.publisher.VllmPublisher` (vLLM's wire protocol, checked byte for
+:class:`indexer.producer.publisher.VllmPublisher` (vLLM's wire protocol, checked byte for
 byte against the golden captures first), and where a test must hold a replay
 open at a precise moment it answers the replay itself with a bare ROUTER
 (``ManualReplay``), exactly in vLLM's reply layouts.
@@ -27,10 +27,11 @@ import zmq
 import golden
 from evkit import chunks, ehashes, gpu_evictions, removed, store, toks, total
 from indexer import PrefixIndex
-from indexer.ingest import EngineConfig, Indexer
+from indexer.engines import EngineConfig
+from indexer.ingest import Indexer
 from indexer.keys import block_keys
-from indexer.publisher import END_SEQ, VllmPublisher
-from indexer.testing import Cleared, encode_batch
+from indexer.producer.publisher import END_SEQ, VllmPublisher
+from indexer.producer.events import Cleared, encode_batch
 from svc import wait_until
 
 LOCAL = "tcp://127.0.0.1:*"

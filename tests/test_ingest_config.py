@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from indexer import EngineConfig, Indexer
-from indexer.publisher import offset_endpoint
+from indexer.producer.publisher import offset_endpoint
 
 
 @pytest.mark.parametrize("endpoint", [

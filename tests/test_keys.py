@@ -197,7 +197,7 @@ def test_R_KEY_1_cpu_event_alone_keeps_lora_namespace():
     # namespace, so an un-LoRA'd query never matches it.
     from golden import as_events, entries, unhex
 
-    from indexer.testing import encode_batch
+    from indexer.producer.events import encode_batch
 
     (entry,) = [e for e in entries("v0.33.0") if e["file"] == "lora_and_salt.msgpack"]
     ts, events, dp = entry["decoded"]

@@ -1,6 +1,6 @@
 """Contract section 6 (R-Q-1 .. R-Q-5): what a query takes and answers.
 
-Payloads are built with :func:`indexer.testing.encode_batch` over both wire
+Payloads are built with :func:`indexer.producer.events.encode_batch` over both wire
 layouts ("0.33" maps, "0.23" arrays) or taken from the golden vLLM payloads.
 Engine hashes are a chained 64-bit value per token prefix (see test_apply.py).
 """
@@ -15,7 +15,7 @@ import pytest
 import golden
 from indexer import PrefixIndex
 from indexer.keys import block_keys
-from indexer.testing import Removed, encode_batch
+from indexer.producer.events import Removed, encode_batch
 
 from evkit import ENGINE, WIRE, FakeClock, apply, chunks, ehashes, gpu_evictions, store, toks, wm
 

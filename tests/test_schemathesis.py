@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 from api.app import create_app
 from api.settings import Settings
 from evkit import store, toks
-from indexer.publisher import VllmPublisher
+from indexer.producer.publisher import VllmPublisher
 from svc import Server, wait_for
 
 EXAMPLES = int(os.environ.get("KVI_FUZZ_EXAMPLES", "40"))  # raise it for a deeper local run

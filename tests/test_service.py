@@ -9,7 +9,7 @@ import json
 import pytest
 
 from evkit import chunks, ehashes, removed, store, toks
-from indexer.publisher import VllmPublisher
+from indexer.producer.publisher import VllmPublisher
 from svc import Client, Server, free_port, sample, wait_for, wait_subscribed
 
 BS = 16

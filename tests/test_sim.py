@@ -10,11 +10,11 @@ import pytest
 
 from indexer import PrefixIndex
 from indexer.ingest import Indexer
-from indexer.sim import (
+from indexer.producer.sim import (
     Fleet, IndexRouter, LeastLoaded, Request, RoundRobin, SimEngine, compare_policies, engine_hashes, fleet_engines,
     simulate, synthetic_requests, trace_requests,
 )
-from indexer.testing import Cleared, Removed, Stored
+from indexer.producer.events import Cleared, Removed, Stored
 from svc import wait_for
 
 BS = 16
@@ -148,7 +148,7 @@ def test_realtime_replay_stops_on_request():
 def test_the_http_router_routes_a_fleet_through_a_running_service():
     import json
 
-    from indexer.sim import HttpRouter
+    from indexer.producer.sim import HttpRouter
     from svc import Server
 
     fleet = Fleet(2, 1, gpu_blocks=1024)

@@ -49,7 +49,7 @@ from hypothesis.stateful import (
 import msgspec
 
 from indexer import PrefixIndex
-from indexer.testing import Cleared, Removed, Stored, encode_batch
+from indexer.producer.events import Cleared, Removed, Stored, encode_batch
 
 _ENC = msgspec.json.encode
 

@@ -5,7 +5,7 @@ and offload like vLLM's, publishing exactly the KV events vLLM would.
   LRU eviction, and optionally an OffloadingConnector-like CPU tier: chunks of
   ``blocks_per_chunk`` blocks aligned to the start of the sequence, offloaded after the GPU
   store, with their own capacity and LRU; self-describing CPU events (token ids, block size,
-  parent hash) or hash-only ones. Events go to a *sink*: a :class:`~indexer.publisher.VllmPublisher`
+  parent hash) or hash-only ones. Events go to a *sink*: a :class:`~indexer.producer.publisher.VllmPublisher`
   (real ZMQ, replay socket, any wire layout) or a callable (in-process).
 * Requests: the Mooncake conversation trace (each ``hash_id`` is 512 deterministic token ids)
   or a synthetic generator, timed by the trace's timestamps at a chosen speed-up.
@@ -17,7 +17,7 @@ and offload like vLLM's, publishing exactly the KV events vLLM would.
 
 :func:`simulate` replays requests through a fleet with one router and returns the
 report a routing team wants: hit rates (GPU, CPU, total), prefill tokens saved, load
-balance and TTFT per engine. ``python -m indexer.sim`` prints it for each policy.
+balance and TTFT per engine. ``python -m indexer.producer.sim`` prints it for each policy.
 
 Simplifications (stated, not hidden): a request's blocks are freed (evictable) as soon as
 it is admitted; a cache touches a prompt's blocks tail first, so the LRU end is always a
@@ -42,8 +42,8 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import xxhash
 
-from .route import Load, route
-from .testing import Cleared, Removed, Stored, encode_batch
+from ..route import Load, route
+from .events import Cleared, Removed, Stored, encode_batch
 
 __all__ = [
     "SimEngine", "Request", "trace_requests", "synthetic_requests", "RoundRobin", "LeastLoaded",
@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 TRACE = Path(os.environ.get(
-    "KVI_TRACE", Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"))
+    "KVI_TRACE", Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"))
 TRACE_BLOCK = 512  # tokens per trace hash_id
 _ENGINE_SEED = 0x6B76  # engines of one fleet share their hash seed (vLLM with a fixed seed)
 _xxh = xxhash.xxh3_64_intdigest
@@ -133,8 +133,8 @@ class Served(NamedTuple):
 class SimEngine:
     """One vLLM engine DP rank: its caches and the events it publishes.
 
-    ``sink(events)`` receives one batch (a list of :mod:`indexer.testing` events) per
-    served request; a :class:`~indexer.publisher.VllmPublisher` works as is
+    ``sink(events)`` receives one batch (a list of :mod:`indexer.producer.events` events) per
+    served request; a :class:`~indexer.producer.publisher.VllmPublisher` works as is
     (``publisher.publish``).
     """
 
@@ -515,7 +515,7 @@ def compare_policies(requests: list[Request], engines: int = 8, *, policies=("ro
                      dp_size: int = 1, prefill_tps: float = 20_000.0, decode_tps: float = 40.0,
                      **engine_options: Any) -> list[Report]:
     """One fresh fleet per policy, the same requests: the reports, in ``policies`` order."""
-    from .index import PrefixIndex
+    from ..index import PrefixIndex
 
     out = []
     for name in policies:
@@ -537,7 +537,7 @@ def compare_policies(requests: list[Request], engines: int = 8, *, policies=("ro
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m indexer.sim", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m indexer.producer.sim", description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--dp-size", type=int, default=1)
     ap.add_argument("--requests", type=int, default=2000, help="first N trace requests (0 = all 12,031)")

@@ -29,25 +29,10 @@ from typing import Iterable
 
 import zmq
 
-from .testing import encode_batch
+from ..engines import END_SEQ, offset_endpoint
+from .events import encode_batch
 
 __all__ = ["VllmPublisher", "END_SEQ", "offset_endpoint"]
-
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-def offset_endpoint(endpoint: str, rank: int) -> str:
-    """vLLM's DP rule: tcp ports shift by the rank (port 0 stays 0); inproc gets ``_dp<rank>``."""
-    if rank == 0 or not endpoint:
-        return endpoint
-    if endpoint.startswith("inproc://"):
-        return f"{endpoint}_dp{rank}"
-    if endpoint.startswith("tcp://"):
-        host, _, port = endpoint.rpartition(":")
-        if port.isdigit() and int(port) != 0:
-            return f"{host}:{int(port) + rank}"
-    return endpoint
-
 
 def _binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
@@ -130,7 +115,7 @@ class VllmPublisher:
         return self._seq
 
     def publish(self, events, *, ts: float | None = None) -> int:
-        """Encode ``events`` (:mod:`indexer.testing` producer events) and publish them.
+        """Encode ``events`` (:mod:`indexer.producer.events` producer events) and publish them.
 
         Returns the batch's sequence number.
         """
