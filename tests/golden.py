@@ -1,4 +1,5 @@
-"""Access to ``../shared/data/vllm-golden`` (read in place, never copied)."""
+"""Access to the golden vLLM payloads in ``tests/data/vllm-golden`` (vendored from the
+team's shared data, so the tests need nothing beside the repository; see its README)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 from indexer.producer.events import Cleared, Removed, Stored
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "vllm-golden"
+GOLDEN = Path(__file__).resolve().parent / "data" / "vllm-golden"
 VERSIONS = {"v0.23.0": "0.23", "v0.24.0": "0.24", "v0.33.0": "0.33"}
 _ARR_STORED = [
     "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",

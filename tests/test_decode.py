@@ -1,6 +1,6 @@
 """Contract §3 (R-DEC-1..4): decoding vLLM KV-event batches, and the producer mirror.
 
-Golden payloads are read in place from ``shared/data/vllm-golden`` (see tests/golden.py).
+Golden payloads are read from ``tests/data/vllm-golden`` (see tests/golden.py).
 """
 
 from __future__ import annotations
