@@ -1,8 +1,13 @@
-"""``kv-indexer``: the service's command line.
+"""``kv-indexer``: the one command line (``python -m indexer`` runs the same parser).
 
-``kv-indexer serve`` runs the HTTP service (uvicorn, one worker: the index lives in this
-process's memory). ``kv-indexer demo`` and ``kv-indexer decode FILE`` are the core
-library's tools (``python -m indexer``).
+* ``serve``: the HTTP service (uvicorn, one worker: the index lives in this process's
+  memory); ``serve --demo`` adds the live demo fleet (simulated engines publishing over ZMQ).
+* ``demo-prompt N``: a ``/v1/match`` body with the prompt of the demo fleet's request N.
+* ``demo-offline``: no service, an index built in this process from simulated events.
+* ``decode FILE``: one vLLM batch payload as JSON.
+* ``simulate``: routing policies compared on simulated engines (``indexer.producer.sim``).
+
+FastAPI and uvicorn are imported only on the ``serve`` path: the other commands stay light.
 """
 
 from __future__ import annotations
@@ -38,10 +43,11 @@ _HELP = {
     "log_json": "log one JSON object per line",
     "access_log": "log every HTTP request",
     "fast_path": "answer the query routes ahead of FastAPI's middleware (same answers, less latency)",
-    "demo": "also run a simulated fleet replaying the Mooncake trace (its engines are added)",
+    "demo": "also run the live demo fleet: simulated engines on 127.0.0.1 publishing over ZMQ, replaying the "
+    "Mooncake trace (synthetic requests without it); its engines are added",
     "demo_engines": "demo: simulated engines",
     "demo_dp_size": "demo: DP ranks per engine",
-    "demo_speedup": "demo: divide the trace's timestamps by this",
+    "demo_speedup": "demo: divide the trace's timestamps by this (synthetic requests: 3.3 x this per second)",
 }
 
 _EPILOG = """\
@@ -86,18 +92,42 @@ def _env_table() -> str:
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
+_COMMANDS_EPILOG = """\
+The live demo is `kv-indexer serve --demo` (simulated engines publishing over ZMQ on
+127.0.0.1, indexed by the service); `kv-indexer demo-prompt N | curl -d @- ...` asks it
+about a prompt it served. `demo-offline` runs everything in this process and prints.
+`python -m indexer` runs this same command line.
+"""
+
+
+def _natural(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
+
+def build_parser(prog: str = "kv-indexer") -> argparse.ArgumentParser:
+    """The one command line: ``kv-indexer`` and ``python -m indexer`` (same parser)."""
     p = argparse.ArgumentParser(
-        prog="kv-indexer",
-        description="KV-aware routing index for vLLM fleets: subscribes to the engines' KV-cache events "
+        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="KV-aware routing index for vLLM fleets: subscribes to the engines' KV-cache events\n"
         "and answers which replica holds the longest prefix of a prompt, in which tier.",
+        epilog=_COMMANDS_EPILOG,
     )
-    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", title="commands",
+                           help="one of the commands below; COMMAND --help for its options")
     s = sub.add_parser(
-        "serve", help="run the HTTP service", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Run the HTTP service (REST API, Dynamo-compatible routes, /metrics).",
+        "serve", help="run the HTTP service (--demo: with a live simulated fleet)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run the HTTP service (REST API, Dynamo-compatible routes, /metrics). With --demo, also "
+        "a live demo fleet: simulated vLLM engines on 127.0.0.1 publishing KV events over real ZMQ.",
         epilog=_EPILOG.format(env=_env_table()),
     )
+    s.set_defaults(func=_cmd_serve)
     s.add_argument("--config", metavar="FILE", help="YAML settings file (default $KVI_CONFIG)")
     s.add_argument("--host", help=_HELP["host"] + " (default 127.0.0.1)")
     s.add_argument("--port", type=int, help=_HELP["port"] + " (default 8080)")
@@ -113,13 +143,58 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--demo", action="store_true", default=None, help=_HELP["demo"])
     s.add_argument("--demo-speedup", type=float, help=_HELP["demo_speedup"])
     s.add_argument("--check", action="store_true", help="validate the settings, print them as JSON and exit")
-    sub.add_parser("demo", help="build an index from simulated vLLM events and print what a router gets back")
-    d = sub.add_parser("decode", help="decode one vLLM batch payload file and print it as JSON")
-    d.add_argument("file")
-    q = sub.add_parser("demo-prompt", help="print a /v1/match body with the prompt of trace request N "
-                       "(what the demo fleet serves), e.g. | curl -d @- localhost:8080/v1/match")
-    q.add_argument("n", type=int)
-    q.add_argument("--max-tokens", type=int, default=None)
+
+    q = sub.add_parser(
+        "demo-prompt", help="print a /v1/match body: the prompt of request N of the live demo fleet",
+        description="Print {\"token_ids\": [...]}: the prompt of request N of what the live demo fleet "
+        "(serve --demo) replays: the Mooncake trace ($KVI_TRACE), or without it the same synthetic "
+        "requests the fleet falls back to.")
+    q.set_defaults(func=_cmd_demo_prompt)
+    q.add_argument("n", type=_natural, metavar="N", help="which request, counting from 0")
+    q.add_argument("--max-tokens", type=int, default=None, metavar="T",
+                   help="only the first T tokens of the prompt (default: all)")
+
+    o = sub.add_parser(
+        "demo-offline", help="no service: index simulated vLLM events in this process and print answers",
+        description="Build an index in this process from simulated vLLM events (4 engines, GPU and a CPU "
+        "offload tier, shared prefixes, encoded exactly as vLLM encodes them), then print the /v1/match "
+        "answer for a few prompts and the index stats. No service, no sockets.")
+    o.set_defaults(func=_cmd_demo_offline)
+    # The old name, hidden (no help: argparse leaves it out of the command list).
+    old = sub.add_parser("demo", description="Deprecated: the old name of demo-offline.")
+    old.set_defaults(func=_cmd_demo_offline, deprecated="demo")
+
+    d = sub.add_parser("decode", help="decode one vLLM batch payload file and print it as JSON",
+                       description="Decode one vLLM batch payload (frame 3 of a live message) and print it as "
+                       "JSON: which wire layout, which events, what was ignored.")
+    d.set_defaults(func=_cmd_decode)
+    d.add_argument("file", metavar="FILE", help="the payload, raw msgpack bytes")
+
+    m = sub.add_parser(
+        "simulate", help="compare routing policies on simulated engines (hit rates, TTFT)",
+        description="Replay requests through a fresh fleet of simulated engines once per routing policy and "
+        "print, per policy: hit rates (GPU, CPU, total), prefill tokens saved, load imbalance and time to "
+        "first token. Requests: the Mooncake trace ($KVI_TRACE), or synthetic ones without it.")
+    m.set_defaults(func=_cmd_simulate)
+    m.add_argument("--engines", type=int, metavar="N", default=8, help="simulated engines (default %(default)s)")
+    m.add_argument("--dp-size", type=int, metavar="N", default=1, help="DP ranks per engine (default %(default)s)")
+    m.add_argument("--requests", type=_natural, metavar="N", default=2000,
+                   help="first N requests (default %(default)s; 0 = the whole trace, 12,031)")
+    m.add_argument("--speedup", type=float, metavar="X", default=1.0,
+                   help="divide the requests' timestamps by this (default %(default)s)")
+    m.add_argument("--gpu-blocks", type=int, metavar="N", default=16384,
+                   help="GPU prefix cache per DP rank, in blocks (default %(default)s)")
+    m.add_argument("--cpu-blocks", type=int, metavar="N", default=0,
+                   help="CPU tier per DP rank, in blocks (default 0: no CPU tier)")
+    m.add_argument("--blocks-per-chunk", type=int, metavar="N", default=16,
+                   help="blocks per CPU offload chunk (default %(default)s)")
+    m.add_argument("--prefill-tps", type=float, metavar="TPS", default=20_000.0,
+                   help="prefill speed of a worker in tokens/s, for the load model (default %(default)g)")
+    m.add_argument("--policies", nargs="+", default=["round_robin", "least_loaded", "index"],
+                   choices=["round_robin", "least_loaded", "index", "index_cache_only"], metavar="POLICY",
+                   help="routing policies to compare: round_robin, least_loaded, index, index_cache_only "
+                   "(default: the first three)")
+    m.add_argument("--json", action="store_true", help="print the reports as JSON")
     return p
 
 
@@ -180,7 +255,7 @@ def start_demo(settings: Settings):
 
     from indexer import PrefixIndex
     from indexer.engines import EngineConfig
-    from indexer.producer.sim import TRACE, Fleet, IndexRouter, synthetic_requests, trace_requests
+    from indexer.producer.sim import Fleet, IndexRouter
 
     # A replay ring of 200 batches per worker covers the start-up (a late join is repaired
     # from it) without holding ~90 KB per served request for long.
@@ -192,16 +267,24 @@ def start_demo(settings: Settings):
     for c in engines:  # known before the first event, so the router can pick them
         for r in c.ranks:
             index.register_worker(c.id, r, model=c.model)
-    if TRACE.exists():
-        source = lambda: trace_requests(speedup=settings.demo_speedup)  # noqa: E731
-        what = f"the Mooncake trace at {settings.demo_speedup:g}x"
-    else:
-        source = lambda: synthetic_requests(10**9, rate=3.3 * settings.demo_speedup)  # noqa: E731
-        what = f"synthetic requests (no trace at {TRACE})"
+    source, what, _ = demo_requests(settings.demo_speedup)
     fleet.run(source, IndexRouter(index), loop=True)
     logging.getLogger("kv_indexer.demo").info(
         "demo: %d simulated engines x %d DP ranks replaying %s", settings.demo_engines, settings.demo_dp_size, what)
     return settings, index, fleet
+
+
+def demo_requests(speedup: float = 10.0):
+    """What the demo fleet replays: ``(source, description, from_trace)``, ``source()``
+    giving a fresh iterator of requests. The Mooncake trace (``$KVI_TRACE``) if it exists,
+    else synthetic requests at the trace's mean rate (3.3/s) times ``speedup``; their
+    prompts do not depend on ``speedup`` (``demo-prompt`` relies on it)."""
+    from indexer.producer.sim import TRACE, synthetic_requests, trace_requests
+
+    if TRACE.exists():
+        return (lambda: trace_requests(TRACE, speedup=speedup)), f"the Mooncake trace at {speedup:g}x", True
+    return ((lambda: synthetic_requests(10**9, rate=3.3 * speedup)), f"synthetic requests (no trace at {TRACE})",
+            False)
 
 
 def _run(uvicorn, app, settings: Settings) -> None:
@@ -222,27 +305,70 @@ def _run(uvicorn, app, settings: Settings) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.cmd == "demo-prompt":
-        from indexer.producer.sim import TRACE, trace_requests
+def _cmd_demo_prompt(args: argparse.Namespace) -> int:
+    import itertools
 
-        if not TRACE.exists():
-            print(f"kv-indexer: no trace at {TRACE} (set KVI_TRACE)", file=sys.stderr)
-            return 2
-        for i, req in enumerate(trace_requests(TRACE, limit=args.n + 1, max_tokens=args.max_tokens)):
-            if i == args.n:
-                print(json.dumps({"token_ids": req.tokens}))
-                return 0
-        print(f"kv-indexer: the trace has fewer than {args.n + 1} requests", file=sys.stderr)
-        return 2
-    if args.cmd in ("demo", "decode"):
-        from indexer.__main__ import main as core_main
+    from indexer.producer.sim import TRACE
 
-        return core_main([args.cmd] + ([args.file] if args.cmd == "decode" else []))
-    if args.cmd != "serve":
-        build_parser().print_help()
+    source, _, from_trace = demo_requests()
+    req = next(itertools.islice(source(), args.n, None), None)
+    if req is None:
+        print(f"{args.prog}: the trace at {TRACE} has fewer than {args.n + 1} requests", file=sys.stderr)
         return 2
+    if not from_trace:
+        print(f"{args.prog}: no trace at {TRACE}: request {args.n} of the synthetic requests the demo fleet "
+              "replays without it", file=sys.stderr)
+    tokens = req.tokens if args.max_tokens is None else req.tokens[: args.max_tokens]
+    print(json.dumps({"token_ids": tokens}))
+    return 0
+
+
+def _cmd_demo_offline(args: argparse.Namespace) -> int:
+    from indexer.__main__ import demo
+
+    if getattr(args, "deprecated", None):
+        print(f"{args.prog}: '{args.deprecated}' is deprecated, it is now 'demo-offline' "
+              "(the live demo fleet is 'serve --demo')", file=sys.stderr)
+    demo()
+    return 0
+
+
+def _cmd_decode(args: argparse.Namespace) -> int:
+    from indexer.__main__ import decode
+
+    return decode(args.file)
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from indexer.producer.sim import TRACE, compare_policies, synthetic_requests, trace_requests
+
+    if TRACE.exists():
+        reqs = list(trace_requests(TRACE, limit=args.requests or None, speedup=args.speedup))
+        kind = "trace"
+    else:
+        n = args.requests or 2000
+        print(f"{args.prog}: no trace at {TRACE} (set KVI_TRACE): {n} synthetic requests", file=sys.stderr)
+        reqs = list(synthetic_requests(n, rate=3.3 * args.speedup))
+        kind = "synthetic"
+    reports = compare_policies(reqs, args.engines, policies=args.policies, dp_size=args.dp_size,
+                               prefill_tps=args.prefill_tps, gpu_blocks=args.gpu_blocks, cpu_blocks=args.cpu_blocks,
+                               blocks_per_chunk=args.blocks_per_chunk)
+    sums = [r.summary() for r in reports]
+    if args.json:
+        print(json.dumps(sums, indent=2))
+        return 0
+    print(f"{len(reqs)} {kind} requests, {args.engines} engines x {args.dp_size} DP, GPU {args.gpu_blocks} blocks, "
+          f"CPU {args.cpu_blocks} blocks")
+    print(f"{'policy':<18}{'hit':>8}{'GPU hit':>9}{'CPU hit':>9}{'saved tokens':>15}{'imbalance':>11}"
+          f"{'TTFT p50':>10}{'TTFT p99':>10}")
+    for s in sums:
+        print(f"{s['policy']:<18}{s['hit_rate']:>8.1%}{s['gpu_hit_rate']:>9.1%}{s['cpu_hit_rate']:>9.1%}"
+              f"{s['prefill_tokens_saved']:>15,}{s['load_imbalance']:>11.2f}{s['ttft_p50_s']:>9.2f}s"
+              f"{s['ttft_p99_s']:>9.2f}s")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         overrides: dict[str, Any] = {
             "host": args.host,
@@ -260,15 +386,26 @@ def main(argv: list[str] | None = None) -> int:
             overrides["engines"] = [parse_engine_spec(e) for e in args.engine]
         settings = load_settings(args.config, overrides)
     except SettingsError as e:
-        print(f"kv-indexer: {e}", file=sys.stderr)
+        print(f"{args.prog}: {e}", file=sys.stderr)
         return 2
     if args.check:
         import msgspec
 
         print(msgspec.json.format(msgspec.json.encode(settings)).decode())
         return 0
-    serve(settings)
+    serve(settings)  # FastAPI and uvicorn are imported here, not before
     return 0
+
+
+def main(argv: list[str] | None = None, prog: str = "kv-indexer") -> int:
+    """``kv-indexer`` (the console script) and ``python -m indexer`` (``prog``)."""
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    args.prog = prog
+    return args.func(args)
 
 
 if __name__ == "__main__":

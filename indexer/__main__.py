@@ -1,15 +1,18 @@
-"""``python -m indexer``: small command-line tools around the core library.
+"""``python -m indexer``: the ``kv-indexer`` command line (one parser, in ``api/cli.py``;
+``python -m indexer --help`` lists its commands). This module keeps two of its tools,
+which need the core library only:
 
-* ``demo``: build an index from simulated vLLM events (4 engines, GPU and a CPU
-  offload tier, shared prefixes) encoded exactly as vLLM encodes them, then print
-  the ``/v1/match`` body for a few prompts and the index stats.
-* ``decode FILE``: decode one batch payload (frame 3 of a vLLM live message) and
-  print it as JSON: which layout, which events, what was ignored.
+* ``demo`` (the ``demo-offline`` command): build an index from simulated vLLM events (4
+  engines, GPU and a CPU offload tier, shared prefixes) encoded exactly as vLLM encodes
+  them, then print the ``/v1/match`` body for a few prompts and the index stats.
+* ``decode`` (the ``decode FILE`` command): decode one batch payload (frame 3 of a vLLM
+  live message) and print it as JSON: which layout, which events, what was ignored.
+
+``api.cli`` imports FastAPI and uvicorn only for ``serve``, so the other commands stay light.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -92,17 +95,10 @@ def decode(path: str, out=sys.stdout) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m indexer", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("demo", help="index simulated vLLM events and print match answers")
-    d = sub.add_parser("decode", help="decode one vLLM batch payload file to JSON")
-    d.add_argument("file")
-    args = p.parse_args(argv)
-    if args.cmd == "demo":
-        demo()
-        return 0
-    return decode(args.file)
+    """The ``kv-indexer`` parser, under the name ``python -m indexer``."""
+    from api.cli import main as cli_main
+
+    return cli_main(argv, prog="python -m indexer")
 
 
 if __name__ == "__main__":

@@ -103,7 +103,9 @@ def test_check_prints_the_effective_settings(tmp_path, capsys):
 
 def test_help_documents_every_setting_and_bad_settings_exit_2():
     r = run_cli("--help")
-    assert r.returncode == 0 and "serve" in r.stdout and "demo" in r.stdout
+    assert r.returncode == 0
+    for cmd in ("serve", "demo-prompt", "demo-offline", "decode", "simulate"):
+        assert f"\n    {cmd}" in r.stdout, cmd
     r = run_cli("serve", "--help")
     assert r.returncode == 0
     for name in FIELDS:
@@ -167,3 +169,30 @@ def test_the_readme_config_example_is_complete_and_valid(tmp_path):
 
     assert set(yaml.safe_load(example)) == set(FIELDS)  # every setting is shown
     assert s.engines[0].dp_size == 2 and s.discovery.replay_port == 5600
+
+
+def test_the_demo_without_the_trace_serves_what_demo_prompt_prints():
+    """No trace (a plain clone): the demo fleet replays synthetic requests, and
+    `demo-prompt N` prints request N of those, so the index holds every block of it."""
+    from svc import Server, wait_for
+
+    no_trace = {"KVI_TRACE": "/nonexistent/conversation_trace.jsonl"}
+    s = Server("--demo", "--demo-speedup", "20", env=no_trace)
+    try:
+        api = s.client
+        r = run_cli("demo-prompt", "5", env=no_trace)
+        assert r.returncode == 0, r.stderr
+        prompt = json.loads(r.stdout)
+        blocks = len(prompt["token_ids"]) // 16
+
+        def whole_prompt_cached():
+            st, res = api.post("/v1/match", prompt)
+            return st == 200 and res["best"] is not None and res["workers"][0]["total_blocks"] == blocks
+
+        wait_for(whole_prompt_cached, timeout=20, what="demo-prompt 5's blocks, all of them, in the index")
+        st, r = api.post("/v1/route", prompt)
+        assert st == 200 and r["worker"].startswith("sim-") and len(r["ranked"]) == 8
+    finally:
+        s.stop()
+    with open(s.log.name) as f:
+        assert "replaying synthetic requests (no trace at /nonexistent/conversation_trace.jsonl)" in f.read()

@@ -535,37 +535,12 @@ def compare_policies(requests: list[Request], engines: int = 8, *, policies=("ro
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
+    """``python -m indexer.producer.sim``: an alias of ``kv-indexer simulate`` (the same parser)."""
+    import sys
 
-    ap = argparse.ArgumentParser(prog="python -m indexer.producer.sim", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--engines", type=int, default=8)
-    ap.add_argument("--dp-size", type=int, default=1)
-    ap.add_argument("--requests", type=int, default=2000, help="first N trace requests (0 = all 12,031)")
-    ap.add_argument("--speedup", type=float, default=1.0, help="divide the trace's timestamps by this")
-    ap.add_argument("--gpu-blocks", type=int, default=16384)
-    ap.add_argument("--cpu-blocks", type=int, default=0, help="CPU tier capacity in blocks (0 = no CPU tier)")
-    ap.add_argument("--blocks-per-chunk", type=int, default=16)
-    ap.add_argument("--prefill-tps", type=float, default=20_000.0)
-    ap.add_argument("--policies", nargs="+", default=["round_robin", "least_loaded", "index"])
-    ap.add_argument("--json", action="store_true", help="print the reports as JSON")
-    args = ap.parse_args(argv)
-    reqs = list(trace_requests(limit=args.requests or None, speedup=args.speedup))
-    reports = compare_policies(reqs, args.engines, policies=args.policies, dp_size=args.dp_size,
-                               prefill_tps=args.prefill_tps, gpu_blocks=args.gpu_blocks, cpu_blocks=args.cpu_blocks,
-                               blocks_per_chunk=args.blocks_per_chunk)
-    sums = [r.summary() for r in reports]
-    if args.json:
-        print(json.dumps(sums, indent=2))
-        return 0
-    print(f"{len(reqs)} trace requests, {args.engines} engines x {args.dp_size} DP, GPU {args.gpu_blocks} blocks, "
-          f"CPU {args.cpu_blocks} blocks")
-    print(f"{'policy':<18}{'hit':>8}{'GPU hit':>9}{'CPU hit':>9}{'saved tokens':>15}{'imbalance':>11}"
-          f"{'TTFT p50':>10}{'TTFT p99':>10}")
-    for s in sums:
-        print(f"{s['policy']:<18}{s['hit_rate']:>8.1%}{s['gpu_hit_rate']:>9.1%}{s['cpu_hit_rate']:>9.1%}"
-              f"{s['prefill_tokens_saved']:>15,}{s['load_imbalance']:>11.2f}{s['ttft_p50_s']:>9.2f}s"
-              f"{s['ttft_p99_s']:>9.2f}s")
-    return 0
+    from api.cli import main as cli_main
+
+    return cli_main(["simulate", *(sys.argv[1:] if argv is None else argv)], prog="python -m indexer.producer.sim")
 
 
 if __name__ == "__main__":
