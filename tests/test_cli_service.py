@@ -117,41 +117,36 @@ def test_help_documents_every_setting_and_bad_settings_exit_2():
     assert r.returncode == 2 and "'max_nodes'" in r.stderr
 
 
-def test_serve_logs_json_lines(tmp_path):
-    from svc import Server
-
-    s = Server("--log-json", "--log-level", "info")
-    try:
-        assert s.client.get("/healthz")[0] == 200
-    finally:
-        s.stop()
+def test_serve_logs_json_lines(tmp_path, serve):
+    s = serve("--log-json", "--log-level", "info")
+    assert s.client.get("/healthz")[0] == 200
+    s.stop()
     with open(s.log.name) as f:
         out = f.read()
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     assert any(x["msg"].startswith("kv-indexer ready") and x["level"] == "info" for x in lines), out
 
 
-def test_the_demo_serves_real_answers_within_seconds():
+def test_the_demo_serves_real_answers_within_seconds(mooncake_trace, serve):
     """`kv-indexer serve --demo`: a simulated fleet replaying the trace, routed by the
-    index, and the routes answer about it."""
-    from svc import Server, wait_for
+    index, and the routes answer about it. Skipped without the trace; its twin is
+    test_the_demo_without_the_trace_serves_what_demo_prompt_prints."""
+    from svc import wait_for
 
-    s = Server("--demo", "--demo-speedup", "20")
-    try:
-        api = s.client
-        wait_for(lambda: len(api.get("/v1/workers")[1]) == 8 and api.get("/readyz")[0] == 200,
-                 timeout=20, what="8 demo workers connected")
-        wait_for(lambda: api.get("/v1/stats")[1]["resident_entries"] > 1000, timeout=20, what="demo blocks")
-        prompt = json.loads(run_cli("demo-prompt", "0").stdout)
-        st, res = api.post("/v1/match", prompt)
-        assert st == 200 and res["best"] is not None and res["workers"][0]["total_blocks"] >= 32
-        st, r = api.post("/v1/route", prompt)
-        assert st == 200 and r["worker"].startswith("sim-") and len(r["ranked"]) == 8
-        m = api.metrics()
-        assert m[("kvi_events_total", frozenset({("event_type", "BlockStored"), ("outcome", "applied")}))] > 0
-        assert {w["engine"] for w in api.get("/v1/workers")[1]} == {"sim-0", "sim-1", "sim-2", "sim-3"}
-    finally:
-        s.stop()
+    s = serve("--demo", "--demo-speedup", "20")
+    api = s.client
+    wait_for(lambda: len(api.get("/v1/workers")[1]) == 8 and api.get("/readyz")[0] == 200,
+             timeout=20, what="8 demo workers connected")
+    wait_for(lambda: api.get("/v1/stats")[1]["resident_entries"] > 1000, timeout=20, what="demo blocks")
+    prompt = json.loads(run_cli("demo-prompt", "0").stdout)
+    st, res = api.post("/v1/match", prompt)
+    assert st == 200 and res["best"] is not None and res["workers"][0]["total_blocks"] >= 32
+    st, r = api.post("/v1/route", prompt)
+    assert st == 200 and r["worker"].startswith("sim-") and len(r["ranked"]) == 8
+    m = api.metrics()
+    assert m[("kvi_events_total", frozenset({("event_type", "BlockStored"), ("outcome", "applied")}))] > 0
+    assert {w["engine"] for w in api.get("/v1/workers")[1]} == {"sim-0", "sim-1", "sim-2", "sim-3"}
+    s.stop()
     with open(s.log.name) as f:
         assert "demo: 4 simulated engines x 2 DP ranks replaying the Mooncake trace at 20x" in f.read()
 
@@ -171,28 +166,26 @@ def test_the_readme_config_example_is_complete_and_valid(tmp_path):
     assert s.engines[0].dp_size == 2 and s.discovery.replay_port == 5600
 
 
-def test_the_demo_without_the_trace_serves_what_demo_prompt_prints():
+def test_the_demo_without_the_trace_serves_what_demo_prompt_prints(serve):
     """No trace (a plain clone): the demo fleet replays synthetic requests, and
     `demo-prompt N` prints request N of those, so the index holds every block of it."""
-    from svc import Server, wait_for
+    from svc import wait_for
 
     no_trace = {"KVI_TRACE": "/nonexistent/conversation_trace.jsonl"}
-    s = Server("--demo", "--demo-speedup", "20", env=no_trace)
-    try:
-        api = s.client
-        r = run_cli("demo-prompt", "5", env=no_trace)
-        assert r.returncode == 0, r.stderr
-        prompt = json.loads(r.stdout)
-        blocks = len(prompt["token_ids"]) // 16
+    s = serve("--demo", "--demo-speedup", "20", env=no_trace)
+    api = s.client
+    r = run_cli("demo-prompt", "5", env=no_trace)
+    assert r.returncode == 0, r.stderr
+    prompt = json.loads(r.stdout)
+    blocks = len(prompt["token_ids"]) // 16
 
-        def whole_prompt_cached():
-            st, res = api.post("/v1/match", prompt)
-            return st == 200 and res["best"] is not None and res["workers"][0]["total_blocks"] == blocks
+    def whole_prompt_cached():
+        st, res = api.post("/v1/match", prompt)
+        return st == 200 and res["best"] is not None and res["workers"][0]["total_blocks"] == blocks
 
-        wait_for(whole_prompt_cached, timeout=20, what="demo-prompt 5's blocks, all of them, in the index")
-        st, r = api.post("/v1/route", prompt)
-        assert st == 200 and r["worker"].startswith("sim-") and len(r["ranked"]) == 8
-    finally:
-        s.stop()
+    wait_for(whole_prompt_cached, timeout=20, what="demo-prompt 5's blocks, all of them, in the index")
+    st, r = api.post("/v1/route", prompt)
+    assert st == 200 and r["worker"].startswith("sim-") and len(r["ranked"]) == 8
+    s.stop()
     with open(s.log.name) as f:
         assert "replaying synthetic requests (no trace at /nonexistent/conversation_trace.jsonl)" in f.read()

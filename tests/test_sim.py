@@ -87,11 +87,21 @@ def agree(index: PrefixIndex, engines: list[SimEngine], prompts: list[list[int]]
     return checked
 
 
+def replay_requests(workload: str, n: int, request) -> list[Request]:
+    """The first ``n`` requests of the Mooncake trace (cut to 4,096 tokens; the test is
+    skipped without the trace), or ``n`` synthetic ones of that size: a shared
+    2,048-token prefix, then 2,048 tokens of their own."""
+    if workload == "trace":
+        return list(trace_requests(request.getfixturevalue("mooncake_trace"), limit=n, max_tokens=4096))
+    return list(synthetic_requests(n, prefix_tokens=2048, suffix_tokens=2048))
+
+
 @pytest.mark.parametrize("version", ["0.33", "0.23"])
-def test_the_index_agrees_with_every_engine_after_a_trace_replay(version):
+@pytest.mark.parametrize("workload", ["trace", "synthetic"])
+def test_the_index_agrees_with_every_engine_after_a_trace_replay(workload, version, request):
     idx = PrefixIndex()
     engines = fleet_engines(4, 2, index=idx, version=version, gpu_blocks=2048, cpu_blocks=4096, blocks_per_chunk=16)
-    reqs = list(trace_requests(limit=300, max_tokens=4096))
+    reqs = replay_requests(workload, 300, request)
     rep = simulate(reqs, engines, IndexRouter(idx))
     assert rep.requests == 300 and rep.gpu_hit_tokens > 0 and rep.cpu_hit_tokens > 0
     # Evictions happened in both tiers, so agreement is not just "everything is there".
@@ -116,13 +126,14 @@ def test_policies_report_hit_rates_and_the_index_wins_on_shared_prefixes():
     assert LeastLoaded().choose([], ["a", "b"], {"a": (1600, 0), "b": (0, 50)}) == "b"
 
 
-def test_R_STR_the_index_agrees_with_a_fleet_over_real_zmq():
+@pytest.mark.parametrize("workload", ["trace", "synthetic"])
+def test_R_STR_the_index_agrees_with_a_fleet_over_real_zmq(workload, request):
+    reqs = replay_requests(workload, 80, request)
     fleet = Fleet(2, 2, gpu_blocks=1024, cpu_blocks=2048, blocks_per_chunk=16)
     ix = Indexer(fleet.engine_configs())
     ix.start()
     try:
         wait_for(lambda: all(w.get("connected") for w in ix.workers()), what="SUBs connected")
-        reqs = list(trace_requests(limit=80, max_tokens=4096))
         router = IndexRouter(ix.index)
         # Late joiners and slow joiners are repaired by replay: no need to wait first.
         simulate(reqs, fleet.sims, router)
@@ -145,15 +156,14 @@ def test_realtime_replay_stops_on_request():
     assert rep.requests == 0
 
 
-def test_the_http_router_routes_a_fleet_through_a_running_service():
+def test_the_http_router_routes_a_fleet_through_a_running_service(serve):
     import json
 
     from indexer.producer.sim import HttpRouter
-    from svc import Server
 
     fleet = Fleet(2, 1, gpu_blocks=1024)
-    s = Server(env={"KVI_ENGINES": json.dumps(fleet.engine_configs())})
     try:
+        s = serve(env={"KVI_ENGINES": json.dumps(fleet.engine_configs())})
         wait_for(lambda: s.client.get("/readyz")[0] == 200, what="the fleet connected")
         reqs = list(synthetic_requests(40, prefixes=2, prefix_tokens=512, suffix_tokens=64, rate=1000))
         rep = simulate(reqs, fleet.sims, HttpRouter(f"http://127.0.0.1:{s.port}"))
@@ -162,5 +172,4 @@ def test_the_http_router_routes_a_fleet_through_a_running_service():
         m = s.client.metrics()
         assert m[("kvi_query_duration_seconds_count", frozenset({("route", "/v1/route")}))] == 40
     finally:
-        s.stop()
         fleet.close()
