@@ -11,8 +11,7 @@ import pytest
 from evkit import store, toks
 from indexer.discovery import DnsDiscovery, resolve_addresses
 from indexer.ingest import Indexer
-from indexer.producer.publisher import VllmPublisher
-from svc import Server, free_port, wait_for, wait_subscribed
+from svc import free_port, wait_for, wait_subscribed
 
 
 class Fake:
@@ -109,20 +108,16 @@ def test_max_workers_and_bad_settings_are_reported_not_fatal():
         DnsDiscovery(ix, "", resolver=f.resolve)
 
 
-def test_the_standard_resolver_and_the_service_discover_localhost():
+def test_the_standard_resolver_and_the_service_discover_localhost(pubs, serve):
     assert "127.0.0.1" in resolve_addresses("localhost")
     port = free_port()
-    pub = VllmPublisher(f"tcp://127.0.0.1:{port}", bind=True)
-    s = Server(env={"KVI_DISCOVERY": f'{{"dns_name": "localhost", "port": {port}, "interval_s": 0.2}}'})
-    try:
-        api = s.client
-        wait_for(lambda: any(e["id"] == "127.0.0.1" for e in api.get("/v1/engines")[1]), what="discovered engine")
-        wait_subscribed(api, pub, "127.0.0.1")
-        t = toks(5, 4, 16)
-        pub.publish([store(t, 16, 0, 4)])
-        wait_for(lambda: api.post("/v1/match", {"token_ids": t})[1].get("best"), what="the blocks")
-        st = api.get("/v1/stats")[1]
-        assert "127.0.0.1" in st["discovery"]["engines"] and st["counters"]["discovery_added"] >= 1
-    finally:
-        s.stop()
-        pub.close()
+    pub = pubs(f"tcp://127.0.0.1:{port}")
+    s = serve(env={"KVI_DISCOVERY": f'{{"dns_name": "localhost", "port": {port}, "interval_s": 0.2}}'})
+    api = s.client
+    wait_for(lambda: any(e["id"] == "127.0.0.1" for e in api.get("/v1/engines")[1]), what="discovered engine")
+    wait_subscribed(api, pub, "127.0.0.1")
+    t = toks(5, 4, 16)
+    pub.publish([store(t, 16, 0, 4)])
+    wait_for(lambda: api.post("/v1/match", {"token_ids": t})[1].get("best"), what="the blocks")
+    st = api.get("/v1/stats")[1]
+    assert "127.0.0.1" in st["discovery"]["engines"] and st["counters"]["discovery_added"] >= 1

@@ -36,28 +36,26 @@ def signed_local_hash(tokens) -> int:
 @pytest.fixture(scope="module")
 def dyn():
     s = Server()
-    pubs: list[VllmPublisher] = []
     try:
-        yield s, pubs
+        yield s
     finally:
-        for p in pubs:
-            p.close()
         s.stop()
 
 
-def rank_pair() -> tuple[VllmPublisher, VllmPublisher]:
-    """Publishers of DP ranks 0 and 1 of one engine (ports p and p+1): retried, since a
-    port found free can be taken by another process before the bind."""
+def rank_pair(pubs) -> tuple[VllmPublisher, VllmPublisher]:
+    """Publishers of DP ranks 0 and 1 of one engine (ports p and p+1), made by the
+    ``pubs`` fixture: retried, since a port found free can be taken by another process
+    before the bind."""
     import zmq
 
     for _ in range(50):
         base = free_port()
         try:
-            p0 = VllmPublisher(f"tcp://127.0.0.1:{base}", bind=True)
+            p0 = pubs(f"tcp://127.0.0.1:{base}")
         except zmq.ZMQError:
             continue
         try:
-            return p0, VllmPublisher(f"tcp://127.0.0.1:{base}", bind=True, dp_rank=1)
+            return p0, pubs(f"tcp://127.0.0.1:{base}", dp_rank=1)
         except zmq.ZMQError:
             p0.close()
     raise RuntimeError("no free port pair")
@@ -77,16 +75,14 @@ def same(api: Client, name: str, **override) -> None:
     assert (st, body) == (ex["status"], ex["response"]), name
 
 
-def test_dynamo_routes_match_the_recorded_service(dyn):
-    server, pubs = dyn
-    api = server.client
+def test_dynamo_routes_match_the_recorded_service(dyn, pubs):
+    api = dyn.client
     st, body = api.get("/health")
     assert (st, body) == (200, "")
     same(api, "query_before_any_register")  # 404 {"error": "no indexer for model=m ..."}
 
-    p1, p1b = rank_pair()
-    p2 = VllmPublisher("tcp://127.0.0.1:*", bind=True, dp_rank=1)
-    pubs += [p1, p1b, p2]
+    p1, p1b = rank_pair(pubs)
+    p2 = pubs(dp_rank=1)
     same(api, "register_w1", endpoint=p1.live_endpoint)
     same(api, "register_same_again_same_endpoint", endpoint=p1.live_endpoint)
     same(api, "register_same_again_different_endpoint")
@@ -152,8 +148,7 @@ def test_dynamo_routes_match_the_recorded_service(dyn):
 
 
 def test_dynamo_errors_are_json_and_clear(dyn):
-    server, _ = dyn
-    api = server.client
+    api = dyn.client
     # Shape errors: Dynamo answers 422 in plain text; we answer 422 with {"error": ...}.
     for name, doc in [
         ("missing model_name", {"token_ids": [1]}),

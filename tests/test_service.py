@@ -36,21 +36,6 @@ def api(server):
         c.delete(f"/v1/engines/{e['id']}")
 
 
-@pytest.fixture
-def pubs():
-    made = []
-
-    def make(**kw) -> VllmPublisher:
-        kw.setdefault("bind", True)
-        p = VllmPublisher("tcp://127.0.0.1:*", **kw)  # ephemeral: no race for a port
-        made.append(p)
-        return p
-
-    yield make
-    for p in made:
-        p.close()
-
-
 def worker(api: Client, engine: str, rank: int = 0) -> dict:
     for w in api.get("/v1/workers")[1]:
         if w["engine"] == engine and w["dp_rank"] == rank:
@@ -102,11 +87,8 @@ def test_readyz_waits_for_engines_to_connect(api, pubs):
     st, body = api.get("/readyz")
     assert st == 503 and not body["ready"]
     assert body["reasons"] == [f"late/0: not connected to tcp://127.0.0.1:{port}"]
-    pub = pubs(endpoint_port=None) if False else VllmPublisher(f"tcp://127.0.0.1:{port}", bind=True)
-    try:
-        wait_for(lambda: api.get("/readyz")[0] == 200, what="readyz after the publisher bound")
-    finally:
-        pub.close()
+    pubs(f"tcp://127.0.0.1:{port}")
+    wait_for(lambda: api.get("/readyz")[0] == 200, what="readyz after the publisher bound")
 
 
 # ------------------------------------------------------------------ the main flow
@@ -325,38 +307,35 @@ def test_R_BAD_1_engines_conflict_and_unknown(api, pubs):
     assert st == 404 and "nope" in res["detail"]
 
 
-def test_fast_path_and_fastapi_routes_answer_the_same(server, pubs):
+def test_fast_path_and_fastapi_routes_answer_the_same(server, pubs, serve):
     """The hot routes bypass FastAPI's routing; a server without that gives byte-equal answers."""
-    plain = Server("--max-request-tokens", str(MAX_TOKENS), env={"KVI_FAST_PATH": "false"})
-    try:
-        a, c = Client(server.port), plain.client
-        p = pubs()
-        for cl in (a, c):
-            connect(cl, "both", p, model="fp")
-        t = toks(300, 5, BS)
-        p.publish([store(t, BS, 0, 5), *chunks(t, BS, 5, medium="CPU")])
-        for cl in (a, c):
-            applied_through(cl, "both", 0)
-        reqs = [
-            ("/v1/match", {"token_ids": t, "model": "fp"}),
-            ("/v1/match", {"token_ids": t[:40], "cache_salt": "s", "model": "fp"}),
-            ("/v1/match_by_keys", {"block_keys": [1, 2], "model": "fp"}),
-            ("/v1/route", {"token_ids": t, "model": "fp", "load": {"both": {"active_decode_blocks": 3}}}),
-            ("/v1/match", {"token_ids": [-1]}),
-            ("/v1/match", {"token_ids": [1] * (MAX_TOKENS + 1)}),
-            ("/v1/match", {"token_ids": t, "model": "nope"}),
-            ("/query", {"token_ids": t, "model_name": "fp"}),
-        ]
-        for path, doc in reqs:
-            sa, ra = a.post(path, doc)
-            sc, rc = c.post(path, doc)
-            for r in (ra, rc):
-                for w in r.get("workers", []) if isinstance(r, dict) else []:
-                    w.pop("last_event_age_s")
-            assert (sa, ra) == (sc, rc), path
-        a.delete("/v1/engines/both")
-    finally:
-        plain.stop()
+    plain = serve("--max-request-tokens", str(MAX_TOKENS), env={"KVI_FAST_PATH": "false"})
+    a, c = Client(server.port), plain.client
+    p = pubs()
+    for cl in (a, c):
+        connect(cl, "both", p, model="fp")
+    t = toks(300, 5, BS)
+    p.publish([store(t, BS, 0, 5), *chunks(t, BS, 5, medium="CPU")])
+    for cl in (a, c):
+        applied_through(cl, "both", 0)
+    reqs = [
+        ("/v1/match", {"token_ids": t, "model": "fp"}),
+        ("/v1/match", {"token_ids": t[:40], "cache_salt": "s", "model": "fp"}),
+        ("/v1/match_by_keys", {"block_keys": [1, 2], "model": "fp"}),
+        ("/v1/route", {"token_ids": t, "model": "fp", "load": {"both": {"active_decode_blocks": 3}}}),
+        ("/v1/match", {"token_ids": [-1]}),
+        ("/v1/match", {"token_ids": [1] * (MAX_TOKENS + 1)}),
+        ("/v1/match", {"token_ids": t, "model": "nope"}),
+        ("/query", {"token_ids": t, "model_name": "fp"}),
+    ]
+    for path, doc in reqs:
+        sa, ra = a.post(path, doc)
+        sc, rc = c.post(path, doc)
+        for r in (ra, rc):
+            for w in r.get("workers", []) if isinstance(r, dict) else []:
+                w.pop("last_event_age_s")
+        assert (sa, ra) == (sc, rc), path
+    a.delete("/v1/engines/both")
 
 
 def test_stats_and_workers_shapes(api, pubs):
@@ -378,19 +357,16 @@ def test_stats_and_workers_shapes(api, pubs):
     json.dumps(w)
 
 
-def test_readyz_with_a_ready_fraction_tolerates_some_engines_down(pubs):
+def test_readyz_with_a_ready_fraction_tolerates_some_engines_down(pubs, serve):
     """With ready_fraction 0.5, one engine of two down keeps the replica ready (a Kubernetes
     readiness probe must not take every replica out because one engine died)."""
-    s = Server(env={"KVI_READY_FRACTION": "0.5"})
-    try:
-        api = s.client
-        p = pubs()
-        connect(api, "up", p)
-        api.post("/v1/engines", {"id": "down", "endpoint": f"tcp://127.0.0.1:{free_port()}"})
-        st, body = api.get("/readyz")
-        assert st == 200 and body["ready"] and body["reasons"][0].startswith("down/0: not connected")
-        api.post("/v1/engines", {"id": "down2", "endpoint": f"tcp://127.0.0.1:{free_port()}"})
-        st, body = api.get("/readyz")
-        assert st == 503 and len(body["reasons"]) == 2
-    finally:
-        s.stop()
+    s = serve(env={"KVI_READY_FRACTION": "0.5"})
+    api = s.client
+    p = pubs()
+    connect(api, "up", p)
+    api.post("/v1/engines", {"id": "down", "endpoint": f"tcp://127.0.0.1:{free_port()}"})
+    st, body = api.get("/readyz")
+    assert st == 200 and body["ready"] and body["reasons"][0].startswith("down/0: not connected")
+    api.post("/v1/engines", {"id": "down2", "endpoint": f"tcp://127.0.0.1:{free_port()}"})
+    st, body = api.get("/readyz")
+    assert st == 503 and len(body["reasons"]) == 2
