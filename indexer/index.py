@@ -27,6 +27,7 @@ import msgspec
 from .keys import KEY_SEED, block_keys, query_extra_keys, seeds_for_blocks, tokens_to_bytes
 from .result import MatchResult, WorkerMatch, _bits, gpu_answers
 from .route import route
+from .sequencer import DUPLICATE, GAP, NEXT, classify
 from .tree import DEAD, MAX_TIERS, Kids, Node, Tree, dup_add, insert_gpu, remove_gpu, walk
 from .wire import REMOVED, STORED, DecodeError, decode_batch, raw_array_len, token_bytes
 
@@ -261,69 +262,80 @@ class PrefixIndex:
         """Decode and apply one batch payload (frame 3 of a vLLM live message).
 
         ``dp_rank=None`` takes the rank from the batch (R-DEC-4: the batch's rank
-        wins when present). With ``seq`` the sequence rules apply: an already
-        applied sequence is skipped (R-STR-1); one that goes backwards with a newer
-        batch timestamp is an engine restart and drops the worker's residency first
-        (R-STR-5); a forward jump is counted as a gap.
+        wins when present). With ``seq`` the sequencer's rule applies
+        (:func:`indexer.sequencer.classify`): an already applied sequence is skipped
+        (R-STR-1); one that goes backwards with a newer batch timestamp is an engine
+        restart and drops the worker's residency first (R-STR-5); a forward jump is
+        counted as a gap.
 
         Returns ``"applied"``, ``"duplicate"`` or ``"dropped"`` (the payload did not
         decode: counted per worker and reason, nothing indexed is touched, R-DEC-3).
         """
         with self._lock:
-            try:
-                batch = decode_batch(payload)
-            except DecodeError as e:
-                self._drop(engine, model, dp_rank, e.reason)
-                w = self._workers.get((engine, dp_rank or 0))
-                if w is not None and seq is not None and (w.last_seq is None or seq > w.last_seq):
-                    w.last_seq = seq  # the sequence number was used, by a bad batch
-                    w.refresh()
-                return "dropped"
-            rank = batch.dp_rank if batch.dp_rank is not None else (dp_rank or 0)
-            if rank.__class__ is not int or rank < 0 or rank > self.max_dp_rank:
-                self._drop(engine, model, dp_rank, "bad_dp_rank")
-                return "dropped"
-            w = self._worker(engine, rank, model)
-            if seq is not None:
-                last = w.last_seq
-                if last is not None:
-                    if seq <= last:
-                        if w.last_ts is not None and batch.ts > w.last_ts:
-                            self._restart(w)
-                        else:
-                            self._count("batches_duplicate")
-                            return "duplicate"
-                    elif seq > last + 1:
-                        w.gaps += 1
-                        self._count("sequence_gaps")
-                elif seq > 0:
-                    w.gaps += 1
-                    self._count("sequence_gaps")
-                w.last_seq = seq
-            if batch.issues:
-                unknown = self._events[3]
-                for k, v in batch.issues.items():
-                    unknown[k] = unknown.get(k, 0) + v
-            if self._orphans:
-                # Expire first: an orphan past its age bound is not adopted by this batch.
-                self._expire_orphans()
-            ev_counts = self._events
-            for ev in batch.events:
-                kind = ev.kind
-                if kind == STORED:
-                    outcome = self._on_store(w, ev)
-                elif kind == REMOVED:
-                    outcome = self._on_remove(w, ev)
-                else:
-                    outcome = self._on_clear(w)
-                c = ev_counts[kind]
-                c[outcome] = c.get(outcome, 0) + 1
-            w.last_ts = batch.ts
-            w.last_apply = self._clock()
-            w.refresh()
-            w.batches += 1
-            self._count("batches_applied")
-            return "applied"
+            return self._apply(engine, payload, model, dp_rank, seq, True)[0]
+
+    def apply_sequenced(
+        self, engine: str, payload: bytes, *, model: str = "default", dp_rank: int | None = None, seq: int
+    ) -> float | None:
+        """Apply one batch that a :class:`~indexer.sequencer.Stream` already sequenced
+        (no decision is made again here); record ``seq`` as the worker's last.
+
+        Returns the batch's ts, or None when the payload did not decode.
+        """
+        with self._lock:
+            return self._apply(engine, payload, model, dp_rank, seq, False)[1]
+
+    def _apply(self, engine: str, payload: bytes, model: str, dp_rank: int | None, seq: int | None,
+               decide: bool) -> tuple[str, float | None]:
+        try:
+            batch = decode_batch(payload)
+        except DecodeError as e:
+            self._drop(engine, model, dp_rank, e.reason)
+            w = self._workers.get((engine, dp_rank or 0))
+            if w is not None and seq is not None and (w.last_seq is None or seq > w.last_seq):
+                w.last_seq = seq  # the sequence number was used, by a bad batch
+                w.refresh()
+            return "dropped", None
+        rank = batch.dp_rank if batch.dp_rank is not None else (dp_rank or 0)
+        if rank.__class__ is not int or rank < 0 or rank > self.max_dp_rank:
+            self._drop(engine, model, dp_rank, "bad_dp_rank")
+            return "dropped", None
+        w = self._worker(engine, rank, model)
+        if seq is not None:
+            verdict = classify(w.last_seq, w.last_ts, seq, batch.ts)
+            if verdict == GAP:
+                w.gaps += 1
+                self._count("sequence_gaps")
+            elif decide and verdict != NEXT:
+                if verdict == DUPLICATE:
+                    self._count("batches_duplicate")
+                    return "duplicate", None
+                self._restart(w)
+            w.last_seq = seq
+        if batch.issues:
+            unknown = self._events[3]
+            for k, v in batch.issues.items():
+                unknown[k] = unknown.get(k, 0) + v
+        if self._orphans:
+            # Expire first: an orphan past its age bound is not adopted by this batch.
+            self._expire_orphans()
+        ev_counts = self._events
+        for ev in batch.events:
+            kind = ev.kind
+            if kind == STORED:
+                outcome = self._on_store(w, ev)
+            elif kind == REMOVED:
+                outcome = self._on_remove(w, ev)
+            else:
+                outcome = self._on_clear(w)
+            c = ev_counts[kind]
+            c[outcome] = c.get(outcome, 0) + 1
+        w.last_ts = batch.ts
+        w.last_apply = self._clock()
+        w.refresh()
+        w.batches += 1
+        self._count("batches_applied")
+        return "applied", batch.ts
 
     def _tier(self, medium, ownership) -> int:
         """Tier id of an event (contract §1 Tier); -1 once ``max_tiers`` are in use."""

@@ -41,30 +41,21 @@ import zmq
 
 from .index import PrefixIndex
 from .engines import END_SEQ, EngineConfig, as_config, offset_endpoint
-from .wire import peek_ts
+from .sequencer import Stream
 from .result import MatchResult
 
 __all__ = ["EngineConfig", "Indexer"]
 
 log = logging.getLogger("indexer.ingest")
 
-# Replayed batches remembered (seq -> ts) to recognise their live copies. vLLM
-# buffers 10,000 batches by default; the bound only stops a replay server that
-# never ends from growing memory (past it, a live copy would count as a restart).
-_MAX_REPLAYED = 1 << 20
+class _Sub(Stream):
+    """One worker's subscription: its sockets and its :class:`Stream` (sequencing)."""
 
+    __slots__ = ("engine", "rank", "model", "endpoint", "replay_endpoint", "topic", "sock", "mon", "dealer",
+                 "connected", "messages")
 
-class _Sub:
-    """Ingest-thread state of one worker's subscription."""
-
-    __slots__ = (
-        "engine", "rank", "model", "endpoint", "replay_endpoint", "topic", "sock", "mon",
-        "dealer", "connected", "last", "replaying", "replay_start", "replay_next",
-        "replay_deadline", "replay_failed", "pending", "replays_ok", "replays_failed",
-        "restarts", "gaps", "messages", "full_history", "replayed",
-    )
-
-    def __init__(self, cfg: EngineConfig, rank: int) -> None:
+    def __init__(self, cfg: EngineConfig, rank: int, sink: "_Sink", ingest: "Indexer") -> None:
+        super().__init__(sink, max_buffered=ingest.max_buffered, replay_timeout_s=ingest.replay_timeout_s)
         self.engine = cfg.id
         self.rank = rank
         self.model = cfg.model
@@ -74,20 +65,53 @@ class _Sub:
         self.topic = cfg.topic.encode()
         self.sock = self.mon = self.dealer = None
         self.connected = False
-        self.last: int | None = None
-        self.replaying = False
-        self.replay_start = 0
-        self.replay_next = 0
-        self.replay_deadline = 0.0
-        self.replay_failed: str | None = None
-        self.pending: list = []
-        self.replays_ok = 0
-        self.replays_failed = 0
-        self.restarts = 0
-        self.gaps = 0
         self.messages = 0
-        self.full_history = False  # the index holds this worker's stream from seq 0
-        self.replayed: dict[int, float | None] = {}  # seq -> batch ts of batches applied by replay
+
+
+class _Sink:
+    """What the sequencer of each worker calls: the index and the replay sockets."""
+
+    __slots__ = ("ingest", "index")
+
+    def __init__(self, ingest: "Indexer") -> None:
+        self.ingest = ingest
+        self.index = ingest.index
+
+    def apply_batch(self, sub: _Sub, seq: int, payload: bytes) -> float | None:
+        index = self.index
+        ts = index.apply_sequenced(sub.engine, payload, model=sub.model, dp_rank=sub.rank, seq=seq)
+        if index.readers_waiting:
+            _yield_gil()
+        return ts
+
+    def reset_worker(self, sub: _Sub) -> None:
+        self.index.reset_worker(sub.engine, sub.rank)
+
+    def request_replay(self, sub: _Sub, start: int) -> str | None:
+        if sub.dealer is None:
+            if sub.replay_endpoint is None:
+                return f"batches from {start} lost and no replay endpoint"
+            return "replay socket not open"
+        sub.dealer.send_multipart((b"", start.to_bytes(8, "big")))
+        self.ingest._replaying.add(sub)
+        return None
+
+    def cancel_replay(self, sub: _Sub) -> None:
+        # A new DEALER, so late answers to this replay cannot reach the next one.
+        if sub.dealer is not None:
+            self.ingest._close_dealer(sub)
+            self.ingest._open_dealer(sub)
+        self.ingest._replaying.discard(sub)
+
+    def mark_stale(self, sub: _Sub, reason: str) -> None:
+        self.index.mark_stale(sub.engine, sub.rank, reason)
+        log.warning("worker %s/%d stale: %s", sub.engine, sub.rank, reason)
+
+    def mark_fresh(self, sub: _Sub) -> None:
+        self.index.clear_stale(sub.engine, sub.rank)
+
+    def count(self, sub: _Sub, name: str) -> None:
+        self.index.count(name)
 
 
 class Indexer:
@@ -147,6 +171,7 @@ class Indexer:
         self._wake_addr = f"inproc://kvidx-wake-{id(self)}"
         self._wake_tx = None
         self._replaying: set = set()
+        self._sink = _Sink(self)
         self.error: str | None = None  # set if the ingest thread died (see ``running``)
         for e in engines:
             self._add(as_config(e))
@@ -310,7 +335,7 @@ class Indexer:
                              f"{self.max_workers} ({len(self._subs)} subscribed)")
         self._engines[(cfg.id, cfg.dp_rank_start)] = cfg
         for r in cfg.ranks:
-            sub = _Sub(cfg, r)
+            sub = _Sub(cfg, r, self._sink, self)
             self._subs[(cfg.id, r)] = sub
             self.index.register_worker(cfg.id, r, model=cfg.model)
             if self._thread is not None:
@@ -335,10 +360,7 @@ class Indexer:
     def _resync(self, engine_id: str) -> None:
         for (e, _), sub in list(self._subs.items()):
             if e == engine_id:
-                self.index.reset_worker(sub.engine, sub.rank)
-                sub.last = None
-                sub.pending = []
-                self._begin_replay(sub, 0, None)
+                sub.resync()
 
     # -------------------------------------------------------------- sockets
 
@@ -502,10 +524,10 @@ class Indexer:
                 continue
             seq = int.from_bytes(seqb, "big")
             last = sub.last
-            if last is not None and seq == last + 1 and not sub.replaying:
-                self._apply_next(sub, seq, frames[2])  # in order: the common case
+            if last is not None and seq == last + 1 and not sub.replaying and not sub.unproven:
+                sub.apply(seq, frames[2])  # in order: the common case
             else:
-                self._on_live(sub, seq, frames[2])
+                sub.live(seq, frames[2])
 
     def _drain_monitor(self, sub: _Sub, sock) -> None:
         while True:
@@ -515,114 +537,8 @@ class Indexer:
                 break
             event = int.from_bytes(msg[0][:2], "little")
             sub.connected = event == zmq.EVENT_CONNECTED
-
-    # ----------------------------------------------------------- sequencing
-
-    def _apply(self, sub: _Sub, seq: int, payload: bytes) -> None:
-        index = self.index
-        index.apply(sub.engine, payload, model=sub.model, dp_rank=sub.rank, seq=seq)
-        sub.last = seq
-        if index.readers_waiting:
-            _yield_gil()
-
-    def _apply_next(self, sub: _Sub, seq: int, payload: bytes) -> None:
-        """Apply the live batch that follows the last applied one."""
-        if sub.replayed:
-            sub.replayed.clear()  # live has caught up past the replayed range
-        self._apply(sub, seq, payload)
-
-    def _on_live(self, sub: _Sub, seq: int, payload: bytes) -> None:
-        """Sequence one live batch (anything but the in-order fast path)."""
-        last = sub.last
-        if sub.replaying:
-            if seq >= sub.replay_start:
-                # Newer than what the replay was asked for: buffer it, in arrival
-                # order; it is sequenced again when the replay ends.
-                if len(sub.pending) >= self.max_buffered:
-                    self._fail_replay(sub, f"more than {self.max_buffered} live batches arrived during replay")
-                    self._abort_replay(sub, keep_pending=True)
-                    self._finish_replay(sub)
-                    self._on_live(sub, seq, payload)
-                    return
-                sub.pending.append((seq, payload))
-                return
-            # Below the replay's start: PUB never repeats, so the engine restarted.
-            self._abort_replay(sub)
-            self._restart(sub)
-            last = None
-        elif last is not None:
-            if seq == last + 1:
-                self._apply_next(sub, seq, payload)
-                return
-            if seq <= last:
-                if self._is_duplicate(sub, seq, payload):
-                    return  # R-STR-1: live backlog the replay already applied
-                self._restart(sub)  # R-STR-5
-                last = None
-        if last is None:
-            if seq == 0:
-                sub.full_history = True
-                self.index.clear_stale(sub.engine, sub.rank)
-                self._apply(sub, seq, payload)
-                return
-            self._gap(sub, 0, seq, payload)  # R-STR-3: late join = a gap from 0
-            return
-        self._gap(sub, last + 1, seq, payload)  # R-STR-2
-
-    def _is_duplicate(self, sub: _Sub, seq: int, payload: bytes) -> bool:
-        """Is this live batch one the replay already applied (same seq, same batch)?
-
-        Only replayed batches can come again on the live socket (PUB never
-        repeats a message): a live batch at or below the last applied seq that is
-        not one of them is a restarted engine's. The batch's ``ts`` (vLLM's
-        ``time.time()`` at the step) tells the same batch from a new one with the
-        same seq, whatever the clocks of the two incarnations.
-        """
-        ts = sub.replayed.get(seq)
-        return ts is not None and ts == peek_ts(payload)
-
-    def _restart(self, sub: _Sub) -> None:
-        """R-STR-5: the engine restarted (vLLM starts again at 0 with empty caches)."""
-        self.index.reset_worker(sub.engine, sub.rank)
-        sub.restarts += 1
-        sub.last = None
-        sub.full_history = False
-        sub.replayed.clear()
-
-    def _abort_replay(self, sub: _Sub, keep_pending: bool = False) -> None:
-        """Give up a replay in flight: a new DEALER, so late answers cannot reach the
-        next replay. The buffered live batches go unless ``keep_pending``."""
-        if sub.dealer is not None:
-            self._close_dealer(sub)
-            self._open_dealer(sub)
-        if not keep_pending:
-            sub.replaying = False
-            sub.pending = []
-            self._replaying.discard(sub)
-
-    def _gap(self, sub: _Sub, start: int, seq: int, payload: bytes) -> None:
-        sub.gaps += 1
-        self.index.count("wire_gaps")
-        self._begin_replay(sub, start, (seq, payload))
-
-    def _begin_replay(self, sub: _Sub, start: int, live: tuple | None) -> None:
-        if live is not None:
-            sub.pending.append(live)
-        sub.replay_failed = None
-        sub.replayed.clear()  # only the latest replay can overlap the live stream
-        if sub.dealer is None:
-            if sub.replay_endpoint is None:
-                self._fail_replay(sub, f"batches {start}..{live[0] - 1 if live else '?'} lost and no replay endpoint")
-            else:
-                self._fail_replay(sub, "replay socket not open")
-            self._finish_replay(sub)
-            return
-        sub.replaying = True
-        sub.replay_start = start
-        sub.replay_next = start
-        sub.replay_deadline = time.monotonic() + self.replay_timeout_s
-        self._replaying.add(sub)
-        sub.dealer.send_multipart((b"", start.to_bytes(8, "big")))
+            if sub.connected:
+                sub.reconnected()  # R-STR-7: what follows must prove its continuity
 
     def _drain_replay(self, sub: _Sub, sock) -> None:
         while True:
@@ -643,69 +559,27 @@ class Indexer:
                 self._dropped(sub, "bad_replay_frame")
                 continue
             if not payload or seqb == END_SEQ:
-                self._finish_replay(sub)
+                sub.replay_end()
                 if not sub.replaying:
-                    continue
-                return
-            if len(seqb) != 8:
+                    self._replaying.discard(sub)
+            elif len(seqb) != 8:
                 self._dropped(sub, "bad_replay_frame")
-                continue
-            seq = int.from_bytes(seqb, "big")
-            if seq < sub.replay_next:
-                continue
-            if seq > sub.replay_next:
-                # R-STR-4: the engine no longer holds what we asked for.
-                self._fail_replay(sub, f"replay from {sub.replay_next} started at {seq}: engine buffer overrun")
-                sub.replay_next = seq
-            if sub.replay_start == 0 and seq == 0 and sub.replay_failed is None:
-                sub.full_history = True
-            if len(sub.replayed) < _MAX_REPLAYED:
-                sub.replayed[seq] = peek_ts(payload)
-            sub.last = seq - 1 if sub.last is None or sub.last < seq - 1 else sub.last
-            self._apply(sub, seq, payload)
-            sub.replay_next = seq + 1
-
-    def _fail_replay(self, sub: _Sub, reason: str) -> None:
-        if sub.replay_failed is None:
-            sub.replay_failed = reason
-            sub.replays_failed += 1
-            self.index.count("replays_failed")
-        sub.full_history = False
-        self.index.mark_stale(sub.engine, sub.rank, reason)
-        log.warning("worker %s/%d stale: %s", sub.engine, sub.rank, reason)
-
-    def _finish_replay(self, sub: _Sub) -> None:
-        """End a replay (done, failed or timed out), then sequence the buffered live
-        batches again, in arrival order (they may be duplicates, a restart, or
-        need another replay)."""
-        ok = sub.replay_failed is None
-        if sub.replaying and ok:
-            sub.replays_ok += 1
-            self.index.count("replays_ok")
-            if sub.full_history:
-                self.index.clear_stale(sub.engine, sub.rank)
-        sub.replaying = False
-        self._replaying.discard(sub)
-        items = sub.pending
-        sub.pending = []
-        if not ok and items:
-            # Unrecoverable: accept the gap up to the first buffered batch (the
-            # worker is marked stale) instead of asking again forever.
-            first = items[0][0]
-            if sub.last is None or first > sub.last + 1:
-                sub.last = first - 1
-        for seq, payload in items:
-            self._on_live(sub, seq, payload)  # once replaying again, the rest re-buffers
+            else:
+                sub.replayed(int.from_bytes(seqb, "big"), payload)
+            if sub.dealer is not sock:
+                return  # the sequencer gave this replay up: its socket is closed
 
     def _check_timeouts(self) -> None:
         if not self._replaying:
             return
         now = time.monotonic()
         for sub in list(self._replaying):
-            if now > sub.replay_deadline:
-                self._fail_replay(sub, f"replay from {sub.replay_start} timed out after {self.replay_timeout_s:g}s")
-                self._abort_replay(sub, keep_pending=True)
-                self._finish_replay(sub)
+            if not sub.replaying:
+                self._replaying.discard(sub)
+                continue
+            sub.check_timeout(now)
+            if not sub.replaying:
+                self._replaying.discard(sub)
 
     # ---------------------------------------------------------------- status
 

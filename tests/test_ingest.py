@@ -375,10 +375,10 @@ def test_R_STR_1_replay_overlap_already_applied_batches_are_skipped(rig):
     h1 = ehashes(P[1], BS)
     rec.send(gpu(P[0]))                             # 0: live
     rec.send(gpu(P[1]), drop=True)                  # 1: lost live
-    rec.send(gpu(P[2]))                             # 2: live -> gap, replay from 1
+    rec.send(gpu(P[2]))                             # 2: live -> gap, replay from the anchor 0
     rec.send(gpu_evictions(h1))                     # 3: live, buffered during the replay
     client, start = man.request()
-    assert start == 1
+    assert start == 0  # R-STR-7: from the anchor, the last applied seq
     wait_until(lambda: wi(ix, "e1")["messages"] == 3, msg="live 2 and 3 received")
     # Overlapping answer: seq 0 (applied), 1 (missing), 2 and 3 (buffered) and 0 again.
     man.answer(client, rec.log + [rec.log[0]])
@@ -405,14 +405,14 @@ def test_R_STR_1_live_batch_already_applied_by_replay_is_skipped(rig):
     ready(ix)
     rec.send(gpu(P[0]))                             # 0: live
     rec.send(gpu(P[1]), drop=True)                  # 1: lost live
-    rec.send(gpu(P[2]))                             # 2: live -> gap, replay from 1
+    rec.send(gpu(P[2]))                             # 2: live -> gap, replay from the anchor 0
     client, start = man.request()
-    assert start == 1
+    assert start == 0  # R-STR-7: from the anchor, the last applied seq
     # 3 is published before the engine answers, so the answer carries 1, 2 and 3, but
     # its live copy is read after the answer (still queued behind the SUB socket: here
     # made deterministic by sending it live once the answer has been applied).
     p3 = rec.encode(gpu(P[3]))
-    man.answer(client, rec.log[1:] + [(3, p3)])
+    man.answer(client, rec.log + [(3, p3)])
     wait_until(lambda: caught_up(ix, "e1", 0, 3), msg="replay applied 1..3")
     assert wi(ix, "e1")["replays_ok"] == 1
     assert rec.send_payload(p3) == 3                # live copy of 3
@@ -449,10 +449,10 @@ def test_R_STR_1_replay_overlap_skipped_after_many_replays(rig):
             rec.send(gpu(ps[j], 1), drop=True)      # lost
         rec.send(gpu(ps[lost], 1))                  # gap -> replay from `first`
         client, start = man.request()
-        assert start == first
+        assert start == first - 1  # R-STR-7: from the anchor
         nxt = first + lost + 1
         pn = rec.encode(gpu(ps[lost + 1], 1))
-        man.answer(client, rec.log[-(lost + 1):] + [(nxt, pn)])   # ... and one not yet read live
+        man.answer(client, rec.log[-(lost + 2):] + [(nxt, pn)])   # ... and one not yet read live
         wait_until(lambda: caught_up(ix, "e1", 0, nxt), msg=lambda: f"round {rnd}: replay applied {wi(ix, 'e1')}")
         rec.send_payload(pn)                        # live copy of a replayed batch
         rec.send(gpu(ps[lost + 2], 1))              # in order
@@ -540,13 +540,13 @@ def test_R_STR_2_live_batches_buffered_during_replay_applied_after(rig, with_top
     rec.send(gpu_evictions(h1[1:]))           # 2: evicts P1 blocks 1..3 (only right after 1)
     rec.send(gpu(P[2]))                       # 3
     client, start = man.request()
-    assert start == 1
+    assert start == 0  # R-STR-7: from the anchor, the last applied seq
     wait_until(lambda: wi(ix, "e1")["messages"] == 3, msg="live 2 and 3 received")
     time.sleep(0.05)
     w = wi(ix, "e1")
     assert w["replaying"] and w["last_seq"] == 0
     assert total(ix, P[2], "e1") == 0, "a live batch was applied before the missing ones"
-    man.answer(client, rec.log[1:], with_topic=with_topic, topic=b"kv")
+    man.answer(client, rec.log, with_topic=with_topic, topic=b"kv")
     wait_applied(ix, rec)
     w = wi(ix, "e1")
     assert w["replays_ok"] == 1 and w["replays_failed"] == 0 and not w["stale"]
@@ -668,7 +668,7 @@ def test_R_STR_4_replay_timeout_is_stale_then_resync_recovers(rig):
     t0 = time.monotonic()
     rec.send(gpu(P[2]))
     client, start = man.request()
-    assert start == 1                               # ... and never answered
+    assert start == 0  # R-STR-7: from the anchor, the last applied seq                               # ... and never answered
     wait_until(lambda: wi(ix, "e1")["stale"], timeout=3, msg="stale after the replay timeout")
     assert time.monotonic() - t0 >= 0.45
     wait_applied(ix, rec)
@@ -752,25 +752,27 @@ def test_R_STR_5_restart_while_replaying_is_detected(rig):
     ready(ix)
     rec.send(gpu(P[0]))                     # 0
     rec.send(gpu(P[1]), drop=True)          # 1: lost
-    rec.send(gpu(P[2]))                     # 2: gap -> replay from 1
+    rec.send(gpu(P[2]))                     # 2: gap -> replay from the anchor 0
     client, start = man.request()
-    assert start == 1
+    assert start == 0  # R-STR-7: from the anchor, the last applied seq
     old = list(rec.log)
     rec.restart()
     rec.send(gpu(P[5]))                     # new incarnation, seq 0
     wait_until(lambda: wi(ix, "e1")["messages"] == 3, msg="new seq 0 received during the replay")
-    man.answer(client, old[1:])             # the old engine's buffer from 1 (1, 2)
+    man.answer(client, old)                 # the old engine's buffer from 0 (0, 1, 2)
     wait_until(lambda: not wi(ix, "e1")["replaying"], msg="replay finished")
     time.sleep(0.1)
     got = {i: total(ix, P[i], "e1") for i in (0, 1, 2, 5)}
     assert got == {0: 0, 1: 0, 2: 0, 5: 4}, f"after a restart seen during a replay: {got}, worker {wi(ix, 'e1')}"
 
 
-def test_R_STR_5_restart_detected_even_if_engine_clock_is_behind(rig):
-    """The engine comes back (seq 0 again) on a host whose clock is a minute behind
-    the old one, so its batches carry older timestamps. The live sequence still went
-    backwards (2 after 0, 1, 2 ... then 0): a restart. Its residency must be dropped
-    and the new batches applied."""
+def test_R_STR_5_R_STR_7_restart_with_an_engine_clock_behind_is_proven_by_replay(rig):
+    """The engine comes back (seq 0 again, same socket: no reconnect to see) on a host
+    whose clock is a minute behind the old one, so its batches carry older timestamps.
+    By R-STR-5 its seqs 0..2 are duplicates (not newer, ts not newer): skipped. But PUB
+    never repeats a batch that no replay applied, so the next new batch must prove
+    continuity (R-STR-7): the replay from the anchor (2) shows another ts at seq 2, so
+    the restart is proven, the old residency dropped and the new incarnation rebuilt."""
     pub = rig.pub()
     rec = Rec(pub, "e1")
     ix = rig.indexer([cfg(pub, "e1")])
@@ -780,16 +782,20 @@ def test_R_STR_5_restart_detected_even_if_engine_clock_is_behind(rig):
         rec.send(gpu(P[i]), ts=t + i)
     wait_applied(ix, rec)
     rec.restart()
-    rec.send(gpu(P[5]), ts=t - 60)          # new incarnation: seq 0, clock behind
-    wait_until(lambda: wi(ix, "e1")["messages"] == rec.live_sent, msg="new seq 0 received")
+    for i in (5, 6, 7):
+        rec.send(gpu(P[i]), ts=t - 65 + i)  # new incarnation: seqs 0..2, clock behind
+    wait_until(lambda: wi(ix, "e1")["messages"] == rec.live_sent, msg="new seqs 0..2 received")
     time.sleep(0.1)
     w = wi(ix, "e1")
-    got = {i: total(ix, P[i], "e1") for i in (0, 1, 2, 5)}
-    assert (w["restarts"], got) == (1, {0: 0, 1: 0, 2: 0, 5: 4}), (
-        f"restarted engine with an older clock: restarts={w['restarts']}, blocks={got}, worker={w}")
-    rec.send(gpu(P[6]), ts=t - 59)
-    rec.send(gpu(P[7]), ts=t - 58)
-    wait_applied(ix, rec)
+    assert (w["restarts"], w["last_seq"]) == (0, 2), w  # duplicates by R-STR-5, skipped
+    assert ix.stats()["counters"].get("batches_duplicate") == 3
+    rec.send(gpu(P[4]), ts=t - 50)          # seq 3: in order, but continuity is unproven
+    wait_until(lambda: wi(ix, "e1")["restarts"] == 1 and wi(ix, "e1")["last_seq"] == 3
+               and not wi(ix, "e1")["replaying"], msg=lambda: f"restart proven by replay: {wi(ix, 'e1')}")
+    got = {i: total(ix, P[i], "e1") for i in (0, 1, 2, 4, 5, 6, 7)}
+    assert got == {0: 0, 1: 0, 2: 0, 4: 4, 5: 4, 6: 4, 7: 4}, got
+    assert ix.stats()["counters"].get("continuity_restart") == 1
+    assert not wi(ix, "e1")["stale"]
     assert_same_index(ix, reference([rec]), P)
 
 
@@ -1222,7 +1228,7 @@ def test_R_BAD_3_an_internal_error_costs_one_message_not_the_ingest_thread():
     the ingest thread lives on, the lost seq marks the worker stale, later batches apply."""
     pub = VllmPublisher(LOCAL, None)
     ix = Indexer([{"id": "e", "endpoint": pub.live_endpoint}])
-    orig = ix.index.apply
+    orig = ix.index.apply_sequenced
     calls = {"n": 0}
 
     def flaky(*a, **kw):
@@ -1231,7 +1237,7 @@ def test_R_BAD_3_an_internal_error_costs_one_message_not_the_ingest_thread():
             raise RuntimeError("a bug")
         return orig(*a, **kw)
 
-    ix.index.apply = flaky
+    ix.index.apply_sequenced = flaky
     try:
         ix.start()
         wait_until(lambda: wi(ix, "e")["connected"], msg="connected")
