@@ -22,13 +22,14 @@ offloads of GPU blocks) never pays for its tokens.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Union
+from typing import Any, Union
 
 import msgspec
 from msgspec import Raw, Struct
 
 from ._compiled import core as _core
 from .keys import tokens_to_bytes
+from .vllm_events import BATCH, CLEARED, EVENTS, MAP_LAYOUT_SINCE, REMOVED, REQUIRED, STORED
 
 __all__ = [
     "STORED",
@@ -43,143 +44,64 @@ __all__ = [
     "token_bytes",
 ]
 
-STORED = 0
-REMOVED = 1
-CLEARED = 2
-
-Hash = Union[int, bytes]
-
-# Map layout (vLLM >= 0.24). ``forbid_unknown_fields`` makes the fast path fail on a
-# field we do not know, so the slow path can count it; the lenient twins below
-# (``forbid_unknown_fields=False``) then decode the same bytes.
+# Every struct below is built from the one declaration of vLLM's events in
+# :mod:`indexer.vllm_events` (fields, types, wire order, which release sends what).
 
 
-class _MapStored(Struct, tag="BlockStored", forbid_unknown_fields=True, gc=False):
-    kind: ClassVar[int] = STORED
-    block_hashes: list[Hash]
-    parent_block_hash: Hash | None = None
-    token_ids: Raw = Raw(b"\x90")
-    block_size: int = 0
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
+def _spec(fields) -> list:
+    """``defstruct`` fields as the decoder reads them: every field vLLM may leave out
+    has a default (its value when absent), ``decoded`` types override vLLM's."""
+    spec = []
+    for f in fields:
+        typ = f.type if f.decoded is None else f.decoded
+        if f.absent is REQUIRED:
+            spec.append((f.name, typ))
+        elif typ is Raw:
+            spec.append((f.name, typ, Raw(msgspec.msgpack.encode(f.absent))))
+        else:
+            spec.append((f.name, typ, f.absent))
+    return spec
 
 
-class _MapRemoved(Struct, tag="BlockRemoved", forbid_unknown_fields=True, gc=False):
-    kind: ClassVar[int] = REMOVED
-    block_hashes: list[Hash]
-    medium: str | None = None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
+def _event_struct(ev, array: bool, strict: bool) -> type:
+    """The decoder struct of one event type in one layout.
+
+    Map layout (vLLM >= 0.24): every field of any map release. Positional layout
+    (vLLM <= 0.23): the tag is element 0, then the fields in wire order; older
+    producers send fewer trailing fields (defaults apply). The map-only fields are
+    class attributes of their absent value (None), so both layouts expose the same
+    attributes to the applier. ``strict`` (``forbid_unknown_fields``) makes the
+    fast path fail on a field, or extra trailing element, we do not know, so the
+    slow path can count it and decode the same bytes with the lenient twin.
+    """
+    fields = [f for f in ev.fields if not array or f.since < MAP_LAYOUT_SINCE]
+    ns = {"kind": ev.kind}
+    ns.update((f.name, f.absent) for f in ev.fields if f not in fields)
+    name = f"_{'' if strict else 'Lenient'}{'Arr' if array else 'Map'}{ev.tag}"
+    return msgspec.defstruct(name, _spec(fields), module=__name__, namespace=ns, tag=ev.tag,
+                             array_like=array, forbid_unknown_fields=strict, gc=False)
 
 
-class _MapCleared(Struct, tag="AllBlocksCleared", forbid_unknown_fields=True, gc=False):
-    kind: ClassVar[int] = CLEARED
+def _batch_struct(name: str, events_type) -> type:
+    spec = _spec(BATCH)
+    spec[[f.name for f in BATCH].index("events")] = ("events", events_type)
+    return msgspec.defstruct(name, spec, module=__name__, array_like=True, gc=False)
 
 
-class _LenientMapStored(_MapStored, tag="BlockStored", forbid_unknown_fields=False):
-    pass
+_MAP = {ev.tag: _event_struct(ev, False, True) for ev in EVENTS}
+_ARR = {ev.tag: _event_struct(ev, True, True) for ev in EVENTS}
+_LENIENT_MAP = {ev.tag: _event_struct(ev, False, False) for ev in EVENTS}
+_LENIENT_ARR = {ev.tag: _event_struct(ev, True, False) for ev in EVENTS}
 
+_ARR_FIELDS = {tag: len(cls.__struct_fields__) for tag, cls in _ARR.items()}
+_MAP_FIELDS = {tag: frozenset(cls.__struct_fields__) for tag, cls in _MAP.items()}
 
-class _LenientMapRemoved(_MapRemoved, tag="BlockRemoved", forbid_unknown_fields=False):
-    pass
+MapEvent = Union[tuple(_MAP.values())]
+ArrEvent = Union[tuple(_ARR.values())]
 
-
-class _LenientMapCleared(_MapCleared, tag="AllBlocksCleared", forbid_unknown_fields=False):
-    pass
-
-
-# Positional layout (vLLM <= 0.23): the tag is element 0, then the fields in
-# declaration order. Older producers send fewer trailing fields (defaults apply).
-
-
-class _ArrStored(Struct, tag="BlockStored", array_like=True, forbid_unknown_fields=True, gc=False):
-    kind: ClassVar[int] = STORED
-    block_hashes: list[Hash]
-    parent_block_hash: Hash | None = None
-    token_ids: Raw = Raw(b"\x90")
-    block_size: int = 0
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    # Not sent by any array-layout release; present so both layouts expose the
-    # same attributes to the applier.
-    locality: ClassVar[None] = None
-    ownership: ClassVar[None] = None
-
-
-class _ArrRemoved(Struct, tag="BlockRemoved", array_like=True, forbid_unknown_fields=True, gc=False):
-    kind: ClassVar[int] = REMOVED
-    block_hashes: list[Hash]
-    medium: str | None = None
-    group_idx: int | None = None
-    locality: ClassVar[None] = None
-    ownership: ClassVar[None] = None
-
-
-class _ArrCleared(Struct, tag="AllBlocksCleared", array_like=True, forbid_unknown_fields=True, gc=False):
-    kind: ClassVar[int] = CLEARED
-
-
-# With forbid_unknown_fields an array_like struct rejects extra trailing elements,
-# so the fast path fails over to the slow one, which counts them and decodes with
-# these lenient twins.
-class _LenientArrStored(_ArrStored, tag="BlockStored", forbid_unknown_fields=False):
-    pass
-
-
-class _LenientArrRemoved(_ArrRemoved, tag="BlockRemoved", forbid_unknown_fields=False):
-    pass
-
-
-class _LenientArrCleared(_ArrCleared, tag="AllBlocksCleared", forbid_unknown_fields=False):
-    pass
-
-
-_ARR_FIELDS = {
-    "BlockStored": len(_ArrStored.__struct_fields__),
-    "BlockRemoved": len(_ArrRemoved.__struct_fields__),
-    "AllBlocksCleared": 0,
-}
-_MAP_FIELDS = {
-    "BlockStored": frozenset(_MapStored.__struct_fields__),
-    "BlockRemoved": frozenset(_MapRemoved.__struct_fields__),
-    "AllBlocksCleared": frozenset(),
-}
-
-MapEvent = Union[_MapStored, _MapRemoved, _MapCleared]
-ArrEvent = Union[_ArrStored, _ArrRemoved, _ArrCleared]
-
-
-class _MapBatch(Struct, array_like=True, gc=False):
-    ts: float
-    events: list[MapEvent]
-    data_parallel_rank: int | None = None
-
-
-class _ArrBatch(Struct, array_like=True, gc=False):
-    ts: float
-    events: list[ArrEvent]
-    data_parallel_rank: int | None = None
-
-
-class _RawBatch(Struct, array_like=True, gc=False):
-    ts: float
-    events: list[Raw]
-    data_parallel_rank: int | None = None
+_MapBatch = _batch_struct("_MapBatch", list[MapEvent])
+_ArrBatch = _batch_struct("_ArrBatch", list[ArrEvent])
+_RawBatch = _batch_struct("_RawBatch", list[Raw])
 
 
 class _TsOnly(Struct, array_like=True, gc=False):
@@ -192,8 +114,8 @@ _map_batch = msgspec.msgpack.Decoder(_MapBatch)
 _ts_only = msgspec.msgpack.Decoder(_TsOnly)
 _arr_batch = msgspec.msgpack.Decoder(_ArrBatch)
 _raw_batch = msgspec.msgpack.Decoder(_RawBatch)
-_map_event = msgspec.msgpack.Decoder(Union[_LenientMapStored, _LenientMapRemoved, _LenientMapCleared])
-_arr_event = msgspec.msgpack.Decoder(Union[_LenientArrStored, _LenientArrRemoved, _LenientArrCleared])
+_map_event = msgspec.msgpack.Decoder(Union[tuple(_LENIENT_MAP.values())])
+_arr_event = msgspec.msgpack.Decoder(Union[tuple(_LENIENT_ARR.values())])
 _any = msgspec.msgpack.Decoder()
 _tokens = msgspec.msgpack.Decoder(list[int])
 

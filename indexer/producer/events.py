@@ -14,174 +14,104 @@ Users can feed their own routers with them; nothing here is used by the index.
 
 from __future__ import annotations
 
-from typing import Any
+from operator import attrgetter
 
 import msgspec
-from msgspec import Struct
+
+from ..vllm_events import ALL_BLOCKS_CLEARED, BATCH, BLOCK_REMOVED, BLOCK_STORED, EVENTS, MAP_LAYOUT_SINCE, REQUIRED
+from ..vllm_events import release, sent_by
 
 __all__ = ["Stored", "Removed", "Cleared", "encode_batch", "VERSIONS"]
 
-Hash = int | bytes
+# Every struct here is built from the one declaration of vLLM's events in
+# :mod:`indexer.vllm_events` (fields, types, wire order, which release sends what).
+
+VERSIONS = ("0.23", "0.24", "0.33")
 
 
-class Stored(Struct, frozen=True):
-    """A ``BlockStored`` as a producer describes it (every vLLM 0.33 field)."""
-
-    block_hashes: list
-    parent_block_hash: Any = None
-    token_ids: list = []
-    block_size: int = 0
-    lora_id: int | None = None
-    medium: str | None = "GPU"
-    lora_name: str | None = None
-    extra_keys: list | None = None
-    group_idx: int | None = 0
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list | None = None
+def _mirror(name: str, ev, doc: str) -> type:
+    """The producer-facing event: every field of the newest release, in wire order,
+    each with a default but ``block_hashes`` (``mirror``, else the decoder's absent value)."""
+    spec: list = []
+    for f in ev.fields:
+        default = f.absent if f.mirror is ... else f.mirror
+        spec.append((f.name, f.type) if default is REQUIRED else (f.name, f.type, default))
+    return msgspec.defstruct(name, spec, module=__name__, namespace={"__doc__": doc}, frozen=True)
 
 
-class Removed(Struct, frozen=True):
-    block_hashes: list
-    medium: str | None = "GPU"
-    group_idx: int | None = 0
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class Cleared(Struct, frozen=True):
-    pass
+Stored = _mirror("Stored", BLOCK_STORED, "A ``BlockStored`` as a producer describes it (every vLLM 0.33 field).")
+Removed = _mirror("Removed", BLOCK_REMOVED, "A ``BlockRemoved`` as a producer describes it.")
+Cleared = _mirror("Cleared", ALL_BLOCKS_CLEARED, "An ``AllBlocksCleared``.")
 
 
 # --- vLLM's own struct shapes -------------------------------------------------
+# ``EventBatch`` and ``KVCacheEvent``'s options: ``omit_defaults``, ``gc=False``, ``tag=True``
+# (the class name, under "type"), plus ``array_like`` up to 0.23.
 
 
-class _EventBatch(Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
+def _vllm_spec(fields) -> list:
+    return [(f.name, f.type) if f.default is REQUIRED else (f.name, f.type, f.default) for f in fields]
 
 
-class _MapEvent(Struct, omit_defaults=True, gc=False, tag=True):
-    pass
+_EventBatch = msgspec.defstruct("_EventBatch", _vllm_spec(BATCH), module=__name__, array_like=True,
+                                omit_defaults=True, gc=False)
 
 
-class BlockStored(_MapEvent):
-    block_hashes: list[Hash]
-    parent_block_hash: Hash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
+def _vllm_struct(ev, version: str) -> type:
+    """vLLM ``version``'s struct for event ``ev`` (the fields that release sends)."""
+    rel = release(version)
+    name = ev.tag if version == VERSIONS[-1] else f"_{ev.tag}_{version.replace('.', '_')}"
+    return msgspec.defstruct(name, _vllm_spec(sent_by(ev, rel)), module=__name__, tag=ev.tag,
+                             array_like=rel < MAP_LAYOUT_SINCE, omit_defaults=True, gc=False)
 
 
-class BlockRemoved(_MapEvent):
-    block_hashes: list[Hash]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
+def _extra_keys(v):
+    return None if v is None else [None if e is None else tuple(e) for e in v]
 
 
-class AllBlocksCleared(_MapEvent):
-    pass
+# The values vLLM holds as its own types (``extra_keys`` entries are tuples there).
+_AS_VLLM = {"block_hashes": list, "token_ids": list, "extra_keys": _extra_keys}
 
 
-class _V24BlockStored(_MapEvent, tag="BlockStored"):
-    # vLLM 0.24-0.25: the map layout before ``locality`` (fewer fields, so msgspec
-    # writes a fixmap header where 0.33 writes map16).
-    block_hashes: list[Hash]
-    parent_block_hash: Hash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
+def _getter(names: tuple):
+    """``obj -> tuple`` of the attributes ``names`` (one C call from two names up)."""
+    if len(names) > 1:
+        return attrgetter(*names)
+    return lambda obj: tuple(getattr(obj, n) for n in names)
 
 
-class _V24BlockRemoved(_MapEvent, tag="BlockRemoved"):
-    block_hashes: list[Hash]
-    medium: str | None
-    group_idx: int | None = None
+def _wire_table(version: str) -> dict:
+    """Producer class -> (vLLM ``version``'s struct, getter of the fields it sends, conversions)."""
+    out = {}
+    for ev, cls in zip(EVENTS, (Stored, Removed, Cleared)):
+        vcls = _vllm_struct(ev, version)
+        names = vcls.__struct_fields__
+        fix = tuple((i, _AS_VLLM[n]) for i, n in enumerate(names) if n in _AS_VLLM)
+        out[cls] = (vcls, _getter(names), fix)
+    return out
 
 
-class _ArrEvent(Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class _ArrBlockStored(_ArrEvent, tag="BlockStored"):
-    block_hashes: list[Hash]
-    parent_block_hash: Hash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class _ArrBlockRemoved(_ArrEvent, tag="BlockRemoved"):
-    block_hashes: list[Hash]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class _ArrAllBlocksCleared(_ArrEvent, tag="AllBlocksCleared"):
-    pass
-
+_WIRE = {v: _wire_table(v) for v in VERSIONS}
+# vLLM's newest structs under vLLM's names.
+BlockStored, BlockRemoved, AllBlocksCleared = (_WIRE[VERSIONS[-1]][c][0] for c in (Stored, Removed, Cleared))
 
 _encoder = msgspec.msgpack.Encoder()
 
 
 def _to_wire(ev, version: str):
-    arr = version == "0.23"
-    v24 = version == "0.24"
-    if isinstance(ev, Stored):
-        extra = None if ev.extra_keys is None else [None if e is None else tuple(e) for e in ev.extra_keys]
-        common = (
-            list(ev.block_hashes), ev.parent_block_hash, list(ev.token_ids), ev.block_size,
-            ev.lora_id, ev.medium, ev.lora_name, extra, ev.group_idx, ev.kv_cache_spec_kind,
-            ev.kv_cache_spec_sliding_window,
-        )
-        if arr:
-            return _ArrBlockStored(*common)
-        if v24:
-            return _V24BlockStored(*common)
-        return BlockStored(
-            *common, locality=ev.locality, ownership=ev.ownership,
-            session_id=ev.session_id, lookahead_token_ids=ev.lookahead_token_ids,
-        )
-    if isinstance(ev, Removed):
-        if arr:
-            return _ArrBlockRemoved(list(ev.block_hashes), ev.medium, ev.group_idx)
-        if v24:
-            return _V24BlockRemoved(list(ev.block_hashes), ev.medium, ev.group_idx)
-        return BlockRemoved(list(ev.block_hashes), ev.medium, ev.group_idx, ev.locality, ev.ownership)
-    if isinstance(ev, Cleared):
-        return _ArrAllBlocksCleared() if arr else AllBlocksCleared()
-    raise TypeError(f"not an event: {ev!r}")
-
-
-VERSIONS = ("0.23", "0.24", "0.33")
+    wire = _WIRE[version]
+    entry = wire.get(type(ev))
+    if entry is None:
+        entry = next((e for c, e in wire.items() if isinstance(ev, c)), None)
+        if entry is None:
+            raise TypeError(f"not an event: {ev!r}")
+    cls, get, fix = entry
+    if not fix:
+        return cls(*get(ev))
+    vals = list(get(ev))
+    for i, fn in fix:
+        vals[i] = fn(vals[i])
+    return cls(*vals)
 
 
 def encode_batch(
