@@ -8,6 +8,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
+from indexer.result import BestOut, MatchResponse, WorkerMatchOut  # noqa: F401  (response schema)
+
 TokenId = Annotated[int, Meta(ge=0, le=2**32 - 1, description="a token id (uint32)")]
 # msgspec bounds stop at int64, so the u64 top is checked by the handler (check_keys).
 BlockKey = Annotated[int, Meta(ge=-(2**63), description="xxh3-64 block key (u64; a signed i64 is taken mod 2^64)")]
@@ -112,34 +114,10 @@ class DynQueryByHash(_DynReq):
 
 
 # --- Response shapes (documentation; the handlers build them from the index).
-
-
-class WorkerMatchOut(msgspec.Struct):
-    engine: str
-    dp_rank: int
-    tiers: dict[str, int]
-    groups: dict[str, dict[str, int]]
-    total_blocks: int
-    total_tokens: int
-    score: float
-    stale: bool
-    stale_reason: str | None
-    last_seq: int | None
-    last_event_age_s: float | None
-
-
-class BestOut(msgspec.Struct):
-    engine: str
-    dp_rank: int
-    score: float
-
-
-class MatchResponse(msgspec.Struct):
-    model: str
-    block_size: int | None
-    query_blocks: int
-    workers: list[WorkerMatchOut]
-    best: BestOut | None
+# The match body's structs are the ones indexer.result encodes the answer with
+# (MatchResult.body), imported, not repeated: the schema is msgspec's, not pydantic's
+# (api/app.py merges msgspec.json.schema_components into FastAPI's document), so the
+# encoding classes serve as they are.
 
 
 class RankedOut(msgspec.Struct):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from msgspec import Struct
 
@@ -11,34 +11,36 @@ from ._compiled import core as _core
 __all__ = ["MatchResult", "WorkerMatch", "gpu_answers"]
 
 
-# The JSON body as msgspec structs: encoded in C, to exactly the bytes of
-# ``to_dict()`` (fields in the same order, None as null), ~2x faster to build.
-class _WorkerOut(Struct, gc=False):
+# The JSON body of ``POST /v1/match`` as msgspec structs: encoded in C, to exactly the
+# bytes of ``to_dict()`` (fields in the same order, None as null), ~2x faster to build.
+# They are also the response schema: api/schemas.py publishes these very classes in
+# the OpenAPI document (msgspec's JSON schema; the names are the component names).
+class WorkerMatchOut(Struct, gc=False):
     engine: str
     dp_rank: int
-    tiers: dict
-    groups: dict
+    tiers: dict[str, int]
+    groups: dict[str, dict[str, int]]
     total_blocks: int
     total_tokens: int
     score: float
     stale: bool
-    stale_reason: Any
-    last_seq: Any
-    last_event_age_s: Any
+    stale_reason: str | None
+    last_seq: int | None
+    last_event_age_s: float | None
 
 
-class _BestOut(Struct, gc=False):
+class BestOut(Struct, gc=False):
     engine: str
     dp_rank: int
     score: float
 
 
-class _MatchOut(Struct, gc=False):
+class MatchResponse(Struct, gc=False):
     model: str
-    block_size: Any
+    block_size: int | None
     query_blocks: int
-    workers: list
-    best: Any
+    workers: list[WorkerMatchOut]
+    best: BestOut | None
 
 
 class WorkerMatch(tuple):
@@ -164,7 +166,7 @@ class MatchResult(NamedTuple):
             "best": None if b is None else {"engine": b.engine, "dp_rank": b.dp_rank, "score": b.score},
         }
 
-    def body(self) -> _MatchOut:
+    def body(self) -> MatchResponse:
         """The same body as :meth:`to_dict` as msgspec structs, for ``msgspec`` to encode
         (byte for byte the same JSON, built faster). Workers with the same answer share
         their ``tiers`` and ``groups`` dicts, built once: not for mutation."""
@@ -178,10 +180,10 @@ class MatchResult(NamedTuple):
             if tg is None:
                 tg = memo[key] = (w.tiers, w.groups)
             stale, reason, last_seq, t = w[7]
-            append(_WorkerOut(w[2], w[3], tg[0], tg[1], -w[1], w[6], -w[0] + 0.0, stale, reason, last_seq,
-                              None if t is None else w[8] - t))
-        return _MatchOut(self.model, self.block_size, self.query_blocks, out,
-                         None if b is None else _BestOut(b.engine, b.dp_rank, b.score))
+            append(WorkerMatchOut(w[2], w[3], tg[0], tg[1], -w[1], w[6], -w[0] + 0.0, stale, reason, last_seq,
+                                  None if t is None else w[8] - t))
+        return MatchResponse(self.model, self.block_size, self.query_blocks, out,
+                             None if b is None else BestOut(b.engine, b.dp_rank, b.score))
 
 
 def _bits(mask: int) -> list[int]:
