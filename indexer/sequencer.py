@@ -152,18 +152,13 @@ class Stream:
     # ------------------------------------------------------------------ live
 
     def apply(self, seq: int, payload: bytes) -> None:
-        """Apply a batch the rules allow (the transport's in-order fast path calls this
-        directly when ``seq == last + 1`` and nothing is pending)."""
+        """Apply a batch the rules allow. The transport's fast path calls this directly
+        when ``seq == last + 1`` and neither a replay nor a proof is pending."""
         ts = self.sink.apply_batch(self, seq, payload)
         self.last = seq
         if ts is not None:
             self.anchor_seq = seq
             self.anchor_ts = ts
-
-    def in_order(self, seq: int) -> bool:
-        """True when ``seq`` may take the fast path: the next one, nothing to prove."""
-        last = self.last
-        return last is not None and seq == last + 1 and not self.replaying and not self.unproven
 
     def live(self, seq: int, payload: bytes) -> None:
         """Sequence one batch from the live socket (R-STR-1..5, R-STR-7)."""
@@ -191,39 +186,35 @@ class Stream:
             else:
                 self._gap(0, seq, payload)  # R-STR-3: late join = a gap from 0
             return
-        if self.unproven:
-            if seq <= last:
-                if self._is_restart(seq, payload):
-                    self._restart()  # a newer ts below the last seq: proven, no replay needed
-                    self.live(seq, payload)
-                else:
-                    self.sink.count(self, "batches_duplicate")
-                return
-            self._prove(seq, payload)
-            return
-        if seq == last + 1:
-            self.apply(seq, payload)
-            return
         if seq > last:
-            self._gap(last + 1, seq, payload)  # R-STR-2
+            if self.unproven:
+                self._prove(seq, payload)  # R-STR-7: the first new batch after a reconnect
+            elif seq == last + 1:
+                self.apply(seq, payload)
+            else:
+                self._gap(last + 1, seq, payload)  # R-STR-2
             return
         if self._is_restart(seq, payload):
             self._restart()  # R-STR-5
             self.live(seq, payload)
             return
-        self.sink.count(self, "batches_duplicate")  # R-STR-1: replay overlap
-        if not self.replayed_lo <= seq <= self.replayed_hi:
-            # Not a copy of a replayed batch, so not ours: an engine that restarted with
-            # an older clock. The next new batch must prove continuity (R-STR-7).
-            self.unproven = True
+        if not self.unproven and self.replayed_lo <= seq <= self.replayed_hi:
+            self.sink.count(self, "batches_duplicate")  # R-STR-1: a live copy of a replayed batch
+            return
+        # PUB never repeats a batch, so this one, not newer, not a copy of a replayed
+        # one (or arriving after a reconnect), may be another incarnation's, from an
+        # engine whose clock is behind. Prove it before anything else is applied.
+        self._prove(seq, payload)
 
     def reconnected(self) -> None:
-        """The live socket (re)connected. If the index holds anything of this worker,
-        the next batch must prove it comes from the same incarnation (R-STR-7)."""
-        if self.anchor_seq is not None or self.last is not None:
+        """The live socket (re)connected: the next batch must prove that it comes from
+        the incarnation the index holds (R-STR-7). Also during a replay: its answer may
+        be the previous incarnation's. (A first batch at seq 0, or a late join's replay
+        from 0, needs no proof: it starts the history afresh.)"""
+        if self.last is not None or self.replaying:
             self.reconnects += 1
             self.sink.count(self, "reconnects")
-            self.unproven = True
+        self.unproven = True
 
     def resync(self) -> None:
         """Drop everything and replay from seq 0 (recovers a stale worker whose engine
@@ -330,7 +321,10 @@ class Stream:
         if self.anchor_seq is None:
             # Nothing applied since the last reset: the index holds nothing to protect.
             self.unproven = False
-            self.live(seq, payload)
+            if self.last is not None and seq <= self.last:
+                self.sink.count(self, "batches_duplicate")
+            else:
+                self.live(seq, payload)
             return
         self._replay(self.anchor_seq, (seq, payload))
 
@@ -396,4 +390,13 @@ class Stream:
             if self.last is None or first > self.last + 1:
                 self.last = first - 1
         for seq, payload in items:
+            last = self.last
+            if last is not None and seq <= last:
+                # Covered by the replay (overlap), or what a proof was about. Never a
+                # restart: the replay came from the engine as it is now, and a restart
+                # after it shows as a reconnect, to be proven (R-STR-7). Taking a stale
+                # batch with a newer ts (an old incarnation's, the new one's clock
+                # behind) for a restart here would rebuild, and loop, forever.
+                self.sink.count(self, "batches_duplicate")
+                continue
             self.live(seq, payload)  # once replaying again, the rest re-buffers
