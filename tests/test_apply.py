@@ -441,6 +441,39 @@ def test_R_APP_3_orphan_never_attached_at_root(ver):
     assert idx.match(t).workers == []
 
 
+@pytest.mark.parametrize("ver", WIRE)
+def test_R_APP_3_orphan_whose_parent_is_gone_at_adoption_is_dropped_not_rooted(ver):
+    """Stores arrive child first: C (blocks 4-5, parent block 3), then B (blocks 2-3,
+    parent block 1) whose tokens do not fit uint32, then A (blocks 0-1). A's arrival
+    adopts B, which is dropped as bad (R-BAD-3) and so never gets its nodes; C, waiting
+    under B's last hash, finds its parent gone at adoption time. It is dropped and
+    counted as ``orphans_dropped_parent_gone``, never hung at the root (R-APP-3), and
+    it does not come back when blocks 2-3 are stored correctly later."""
+    idx = PrefixIndex()
+    t = toks(1, 6, 4)
+    c = store(t, 4, 4, 6)
+    b = store(t[:15] + [2**40] + t[16:], 4, 2, 4, hashes=ehashes(t, 4))  # block 3's last token
+    apply(idx, [c], ver)
+    apply(idx, [b], ver)
+    assert ev(idx, "BlockStored", "orphaned") == 2
+    assert idx.stats()["orphans"] == 2 and idx.stats()["nodes"] == 0
+    apply(idx, [store(t, 4, 0, 2)], ver)
+    s = idx.stats()
+    assert s["counters"].get("orphans_dropped_bad", 0) == 1
+    assert s["counters"].get("orphans_dropped_parent_gone", 0) == 1
+    assert s["counters"].get("orphans_adopted", 0) == 0
+    assert s["orphans"] == 0 and winfo(idx)["orphans"] == 0
+    assert s["nodes"] == 2 and s["resident_entries"] == 2  # A's blocks only
+    assert tiers(idx, t) == {"GPU": 2}
+    # Nothing of C (or B) hangs at the root: their tokens from token 0 match nothing.
+    assert idx.match(t[16:24]).workers == []
+    assert idx.match(t[8:24]).workers == []
+    # C was dropped, not kept waiting: a correct B later brings blocks 2-3 only.
+    apply(idx, [store(t, 4, 2, 4)], ver)
+    assert tiers(idx, t) == {"GPU": 4}
+    assert idx.stats()["nodes"] == 4
+
+
 def test_R_APP_3_orphan_adopted_when_parent_store_has_duplicates():
     """A child chunk arrives before its parent chunk, and the parent chunk re-announces
     blocks the worker already holds in that tier (two chunks sharing a non-aligned
