@@ -1,0 +1,364 @@
+"""Queries (contract §6): which worker holds the longest prefix of a prompt, per
+tier and group, with the engine-style ``total`` and the best-replica score. They take
+the index lock and read the trees; the only state they touch is the lazy ranking of a
+model's workers (``_Model.rank``, a cache of the (engine, dp_rank) order that answers
+come out in), never what the index holds (R-Q-4)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from .keys import (
+    KEY_SEED,
+    block_keys,
+    query_extra_keys,
+    seeds_for_blocks,
+    tokens_to_bytes,
+)
+from .lifecycle import Lifecycle
+from .result import MatchResult, WorkerMatch, _bits, gpu_answers
+from .route import route
+from .state import GPU, ModelRequiredError, _Model
+from .tree import Tree, walk
+
+__all__ = ["Query"]
+
+
+class Query(Lifecycle):
+    """Matches and routes."""
+
+    def match(
+        self,
+        token_ids: Sequence[int],
+        *,
+        model: str | None = "default",
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        extra_keys: Sequence[Any] | None = None,
+    ) -> MatchResult:
+        """Longest-prefix match of a prompt for every worker of ``model`` (R-Q-1, R-Q-2).
+
+        ``token_ids`` are ints, or already their little-endian uint32 bytes (as
+        :func:`indexer.keys.split_json_tokens` reads them from a request). Keys are computed
+        for every full block at each group's block size; a trailing partial block
+        is ignored. Read-only (R-Q-4).
+
+        Raises
+        ------
+        KeyError
+            When ``model`` is not indexed (or is None while several models are).
+        OverflowError, TypeError
+            When a token id is not an int in ``[0, 2**32-1]``.
+        """
+        buf = token_ids if token_ids.__class__ is bytes else tokens_to_bytes(token_ids)
+        ntok = len(buf) // 4
+        self.readers_waiting.append(None)
+        with self._lock:
+            self.readers_waiting.pop()
+            m = self._model(model)
+            cache: dict[int, _LazyKeys] = {}
+
+            def keys_for(bs: int):
+                ks = cache.get(bs)
+                if ks is None:
+                    n = ntok // bs
+                    if not lora_name and cache_salt is None and not extra_keys:
+                        seed: Any = KEY_SEED
+                    else:
+                        ek = query_extra_keys(n, cache_salt, extra_keys)
+                        seed = seeds_for_blocks(n, lora_name, ek)
+                    ks = cache[bs] = _LazyKeys(buf, bs, seed, n)
+                return ks.chunks()
+
+            return self._match(m, keys_for, ntok)
+
+    def route(self, token_ids: Sequence[int], *, model: str | None = "default", lora_name: str | None = None,
+              cache_salt: str | None = None, load=None, candidates=None, prefill_load_scale: float = 1.0) -> dict:
+        """The best worker for a prompt: :meth:`match` weighed against ``load``
+        (:func:`indexer.route.route`; the ``POST /v1/route`` body). Read-only."""
+        res = self.match(token_ids, model=model, lora_name=lora_name, cache_salt=cache_salt)
+        return route(res, self.model_workers(res.model), load=load, candidates=candidates,
+                     prefill_load_scale=prefill_load_scale)
+
+    def match_by_keys(self, block_keys_: Sequence[int], *, model: str | None = "default") -> MatchResult:
+        """Like :meth:`match`, with the caller's block keys (R-Q-1, R-KEY-2).
+
+        The keys apply to every group whose block size is the headline block size.
+        """
+        keys = list(block_keys_)
+        self.readers_waiting.append(None)
+        with self._lock:
+            self.readers_waiting.pop()
+            m = self._model(model)
+            bs = m.trees[m.default_groups()[0]].block_size if m.trees else 0
+
+            def keys_for(b: int):
+                return (keys,) if b == bs else ()
+
+            return self._match(m, keys_for, len(keys) * bs)
+
+    def _model(self, model: str | None) -> _Model:
+        if model is None:
+            # The one model with workers (a model whose engines all left does not count).
+            live = [m for m in self._models.values() if m.workers] or list(self._models.values())
+            if len(live) == 1:
+                return live[0]
+            if not live:
+                raise KeyError("no model is indexed yet")
+            names = ", ".join(sorted(m.name for m in live))
+            raise ModelRequiredError(f"model is required: several models are indexed ({names})")
+        m = self._models.get(model)
+        if m is None:
+            raise KeyError(f"unknown model {model!r}")
+        return m
+
+    def _match(self, m: _Model, keys_for, ntok: int) -> MatchResult:
+        trees = m.trees
+        if not trees:
+            return MatchResult(m.name, None, 0, [], None)
+        if len(trees) == 1 and not m.tiered:
+            # The common shape: one attention group, GPU only. Its one group is the
+            # headline (R-APP-10); the walk's stops are the whole answer.
+            (g, tree), = trees.items()
+            bs = tree.block_size
+            d, stops, active, _ = walk(tree.root, keys_for(bs), False)
+            if d and active > 0:
+                stops.append((d, active))
+            if not m.ranked:
+                m.rank()
+            out = gpu_answers(stops, m.rows, str(g), bs, self._credit_by_tid()[GPU], self.stale_factor,
+                              self._clock(), WorkerMatch) if stops else []
+            best = out[0] if out and out[0][1] < 0 else None
+            return tuple.__new__(MatchResult, (m.name, bs, ntok // bs, out, best))
+        defaults = m.default_groups()
+        head_bs = trees[defaults[0]].block_size
+        # group -> {wid: (((tier name, blocks), ...), total blocks, weighted blocks)}
+        per_group: dict[int, dict] = {}
+        for g, tree in trees.items():
+            got = self._match_path(m, tree, keys_for(tree.block_size))
+            if got:
+                per_group[g] = got
+        qblocks = ntok // head_bs
+        if not per_group:
+            return MatchResult(m.name, head_bs, qblocks, [], None)
+        workers = m.workers
+        stale_factor = self.stale_factor
+        now = self._clock()
+        out = []
+        append = out.append
+        # tuple.__new__ skips NamedTuple's Python-level __new__ (one call per worker per query).
+        tnew = tuple.__new__
+        wm = WorkerMatch
+        if len(per_group) == 1 and len(defaults) == 1 and defaults[0] in per_group:
+            # The common shape: one attention group. Headline = that group.
+            (g, got), = per_group.items()
+            gname = str(g)
+            shared: dict[int, tuple] = {}  # answers are shared by workers at one depth
+            for wid, r in got.items():
+                w = workers.get(wid)
+                if w is None:
+                    continue
+                c = shared.get(id(r))
+                if c is None:
+                    tier_items, total, weighted = r
+                    c = shared[id(r)] = (-weighted, -total, tier_items, ((gname, tier_items, total),),
+                                         total * head_bs)
+                fresh = w.fresh
+                append(tnew(wm, (
+                    c[0] * stale_factor if fresh[0] else c[0], c[1], w.engine, w.dp_rank,
+                    c[2], c[3], c[4], fresh, now,
+                )))
+            out.sort()  # WorkerMatch tuples order as the ranking: no key function
+            best = out[0] if out and out[0].total_blocks > 0 else None
+            return tuple.__new__(MatchResult, (m.name, head_bs, qblocks, out, best))
+        head = self._headline(m, defaults, per_group, head_bs)
+        for wid in set().union(*per_group.values()):
+            w = workers.get(wid)
+            if w is None:
+                continue
+            group_items = tuple(
+                (str(g), r[0], r[1]) for g, got in per_group.items() if (r := got.get(wid)) is not None
+            )
+            h = head.get(wid)
+            if h is not None:
+                tier_items, total_blocks, score = h
+                if w.stale:
+                    score *= stale_factor
+            else:
+                tier_items, total_blocks, score = (), 0, 0.0
+            append(tnew(wm, (
+                -float(score), -total_blocks, w.engine, w.dp_rank, tier_items, group_items,
+                total_blocks * head_bs, w.fresh, now,
+            )))
+        out.sort()
+        best = out[0] if out and out[0].total_blocks > 0 else None
+        return MatchResult(m.name, head_bs, qblocks, out, best)
+
+    def _headline(self, m: _Model, defaults: list, per_group: dict, head_bs: int) -> dict:
+        """R-APP-10 headline per worker: each figure is its minimum over the default groups.
+
+        Figures are compared in tokens and given in blocks of the headline size:
+        {wid: (((tier, blocks), ...), total blocks, weighted blocks)}.
+        """
+        head: dict = {}
+        for i, g in enumerate(defaults):
+            got = per_group.get(g)
+            if not got:
+                return {}
+            sc = m.trees[g].block_size / head_bs
+            if i == 0:
+                for wid, (items, total, weighted) in got.items():
+                    head[wid] = ({t: b * sc for t, b in items}, total * sc, weighted * sc)
+                continue
+            for wid in list(head):
+                r = got.get(wid)
+                if r is None:
+                    del head[wid]
+                    continue
+                tiers, total, weighted = head[wid]
+                mine = {t: b * sc for t, b in r[0]}
+                tiers = {t: min(b, mine.get(t, 0)) for t, b in tiers.items()}
+                head[wid] = (tiers, min(total, r[1] * sc), min(weighted, r[2] * sc))
+        return {
+            wid: (tuple((t, int(b)) for t, b in tiers.items()), int(total), weighted)
+            for wid, (tiers, total, weighted) in head.items()
+        }
+
+    def _match_path(self, m: _Model, tree: Tree, key_chunks) -> dict | None:
+        """Walk one group's tree along the keys and answer per worker (read-only).
+
+        Returns ``{wid: (((tier, blocks), ...), total, weighted blocks)}``, or None
+        when nothing matched. The GPU prefix of every worker is computed during the
+        walk, as bit masks: ``active`` holds the workers whose GPU run is unbroken.
+        """
+        keep = m.tiered  # only tiered models need the path for the chunk scan
+        # keys come in growing chunks: a miss hashes little
+        d, stops, active, path = walk(tree.root, key_chunks, keep)
+        if d == 0:
+            return None
+        if active > 0:
+            stops.append((d, active))
+        credits = self._credit_by_tid()
+        cg = credits[GPU]
+        if not keep or all(nd.tiers is None for nd in path):
+            if not stops:
+                return None
+            # Workers that stop at one depth share one answer tuple.
+            out = {}
+            for g, mask in stops:
+                r = ((("GPU", g),), g, g * cg)
+                for wid in _bits(mask):
+                    out[wid] = r
+            return out
+        gpu = {wid: g for g, mask in stops for wid in _bits(mask)}
+        names = self._tier_names
+        other = self._other_tiers(m, tree.group, path)
+        out: dict[int, tuple] = {}
+        chain = [self._tier_ids.get(t) for t in self.total_chain]
+        wids = set(gpu)
+        for per_w in other.values():
+            wids.update(per_w)
+        for wid in wids:
+            g = gpu.get(wid, 0)
+            items = [("GPU", g)]
+            for t, per_w in other.items():
+                chunks = per_w.get(wid)
+                if chunks:
+                    alone = 0
+                    for s, e in chunks:
+                        if s == alone + 1:
+                            alone = e
+                    items.append((names[t], alone))
+            pos = g
+            weighted = g * cg
+            for t in chain:
+                if t is None or t == GPU:
+                    continue
+                chunks = other.get(t, _EMPTY).get(wid)
+                if not chunks:
+                    continue
+                start = pos
+                for s, e in chunks:
+                    if s <= pos + 1 and e > pos:
+                        pos = e
+                weighted += (pos - start) * credits[t]
+            if pos or any(b for _, b in items):
+                out[wid] = (tuple(items), pos, weighted)
+        return out
+
+    def _credit_by_tid(self) -> list:
+        c = self._credits_cache
+        if len(c) != len(self._tier_names):
+            c = self._credits_cache = [self.credits.get(n, 0.0) for n in self._tier_names]
+        return c
+
+    def _other_tiers(self, m: _Model, group: int, path: list) -> dict:
+        """Fully covered chunks per non-GPU tier and worker: {tid: {wid: [(start, end)]}}.
+
+        A chunk ends at a block marked as a chunk end for the worker (R-APP-5); it
+        starts as many blocks earlier as its store event carried, and counts only
+        when the worker holds every one of its blocks in that tier.
+        """
+        workers = m.workers
+        out: dict[int, dict] = {}
+        runs: dict[tuple, int] = {}  # (tid, wid) -> start depth of the current unbroken run
+        lasts: dict[tuple, int] = {}
+        for d, node in enumerate(path, 1):
+            tiers = node.tiers
+            if tiers is None:
+                continue
+            for t, mask in tiers.items():
+                if t <= 0:
+                    continue
+                ends = tiers.get(-t, 0)
+                x = mask
+                while x:
+                    low = x & -x
+                    x ^= low
+                    wid = low.bit_length() - 1
+                    k = (t, wid)
+                    if lasts.get(k) != d - 1:
+                        runs[k] = d
+                    lasts[k] = d
+                    if ends & low:
+                        w = workers.get(wid)
+                        wg = w.groups.get(group) if w is not None else None
+                        n = wg.ends.get(t, _EMPTY).get(node, 1) if wg is not None else 1
+                        if d - n + 1 >= runs[k]:
+                            out.setdefault(t, {}).setdefault(wid, []).append((d - n + 1, d))
+        return out
+
+
+_EMPTY: dict = {}
+
+
+class _LazyKeys:
+    """A query's block keys, hashed in growing chunks (64, 512, 4096 blocks) as the
+    walk asks for them: a prompt that misses early hashes a few blocks, not all
+    (64 blocks hash in ~1 us in the compiled core: one chunk for a 1,024-token prompt).
+    Computed chunks are kept for the next group with the same block size."""
+
+    __slots__ = ("buf", "block_size", "seed", "n", "done", "i")
+
+    def __init__(self, buf: bytes, block_size: int, seed, n: int) -> None:
+        self.buf = buf
+        self.block_size = block_size
+        self.seed = seed
+        self.n = n
+        self.done: list[list[int]] = []
+        self.i = 0
+
+    def chunks(self):
+        if self.done:
+            yield from self.done
+        i = self.i
+        size = 64 << (3 * len(self.done))
+        while i < self.n:
+            j = min(self.n, i + size)
+            c = block_keys(self.buf, self.block_size, self.seed, j, i)
+            self.done.append(c)
+            self.i = i = j
+            size <<= 3
+            yield c
+
+

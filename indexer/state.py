@@ -1,0 +1,246 @@
+"""The index's state: every mutable thing the store changes and the query reads.
+
+``IndexState`` holds the models (trees per KV-cache group), the workers (per
+group: engine-hash map, orphans, resident counts, chunk ends), tier names and
+the counters, and builds them empty. The rooms that change or read it are
+mixins over it, one concern each: :mod:`.removal`, :mod:`.lifecycle`,
+:mod:`.store` (apply, orphans), :mod:`.query`; :class:`indexer.PrefixIndex` is
+their sum. Mixins, not separate objects, because the hot paths (apply a batch,
+match a prompt) reach the state through ``self`` with no extra indirection.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Sequence
+
+from .tree import MAX_TIERS, Kids, Tree
+
+__all__ = ["IndexState", "DEFAULT_CREDITS", "DEFAULT_GROUP_KINDS", "ModelRequiredError"]
+
+DEFAULT_CREDITS = {"GPU": 1.0, "CPU": 0.75, "STORAGE": 0.25}
+# R-APP-10: groups whose headline figures count. None stands for "unknown".
+DEFAULT_GROUP_KINDS = frozenset(
+    {"full_attention", "mla_attention", "sink_full_attention", "unknown", None}
+)
+GPU = 0  # tier id of "GPU", fixed
+
+_now = time.monotonic
+
+
+class _WG:
+    """One worker's state in one KV-cache group."""
+
+    __slots__ = ("map", "orphans", "res", "ends")
+
+    def __init__(self) -> None:
+        self.map = Kids()  # engine hash -> Node (R-APP-2 / R-APP-3 resolution)
+        self.orphans: dict = {}  # missing parent hash -> [pending store, ...]
+        self.res = [0] * MAX_TIERS  # resident entries per tier id
+        # tier id -> {chunk-end node: blocks in that chunk} (R-APP-5: the blocks
+        # of one event form a chunk, whatever size each event has)
+        self.ends: dict[int, dict] = {}
+
+    def mark_end(self, tiers: dict, tid: int, bit: int, node, nblocks: int) -> None:
+        """Record ``node`` as the last block of an ``nblocks`` chunk in tier ``tid``."""
+        tiers[-tid] = tiers.get(-tid, 0) | bit
+        ends = self.ends.get(tid)
+        if ends is None:
+            ends = self.ends[tid] = {}
+        ends[node] = nblocks
+
+    def clear_end(self, tiers: dict, tid: int, bit: int, node) -> None:
+        """Forget ``node`` as a chunk end of this worker in tier ``tid`` (if it was one)."""
+        e = tiers.get(-tid, 0)
+        if e & bit:
+            e ^= bit
+            if e:
+                tiers[-tid] = e
+            else:
+                del tiers[-tid]
+            self.ends[tid].pop(node, None)
+
+
+class _Worker:
+    __slots__ = (
+        "wid", "bit", "engine", "dp_rank", "model", "groups", "last_seq", "last_ts",
+        "last_apply", "stale", "stale_reason", "dropped", "batches", "restarts", "gaps", "fresh", "rows", "pos",
+    )
+
+    def __init__(self, wid: int, engine: str, dp_rank: int, model: str, rows: list) -> None:
+        self.wid = wid
+        self.bit = 1 << wid
+        self.engine = engine
+        self.dp_rank = dp_rank
+        self.model = model
+        self.groups: dict[int, _WG] = {}
+        self.last_seq: int | None = None
+        self.last_ts: float | None = None
+        self.last_apply: float | None = None
+        self.stale = False
+        self.stale_reason: str | None = None
+        self.dropped: dict[str, int] = {}
+        self.batches = 0
+        self.restarts = 0
+        self.gaps = 0
+        self.rows = rows  # the model's rows: wid -> (engine, dp_rank, freshness, position)
+        self.pos = 0  # this worker's place in its model's (engine, dp_rank) order (_Model.rank)
+        if len(rows) <= wid:
+            rows.extend([None] * (wid + 1 - len(rows)))
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Snapshot the freshness fields a query reports (one tuple, shared by answers)
+        into ``fresh`` and the model's row of this worker."""
+        self.fresh = (self.stale, self.stale_reason, self.last_seq, self.last_apply)
+        self.rows[self.wid] = (self.engine, self.dp_rank, self.fresh, self.pos)
+
+
+class _Model:
+    __slots__ = ("name", "trees", "kinds", "workers", "rows", "ranked", "_defaults", "tiered")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.trees: dict[int, Tree] = {}
+        self.kinds: dict[int, str | None] = {}
+        self.workers: dict[int, _Worker] = {}
+        # wid -> (engine, dp_rank, freshness, position) or None: what a query's answers
+        # need of each worker, in one list the compiled answers() reads by index.
+        self.rows: list = []
+        # Whether every worker's position is its place in (engine, dp_rank) order: a
+        # new worker clears it, the next query ranks again (a leaving one keeps it).
+        self.ranked = True
+        self._defaults: list[int] | None = None
+        # Set once any non-GPU residency was stored: GPU-only fleets skip the
+        # per-tier chunk scan on every query.
+        self.tiered = False
+
+    def rank(self) -> None:
+        """Give every worker its place in (engine, dp_rank) order, in its row."""
+        for i, w in enumerate(sorted(self.workers.values(), key=_engine_rank)):
+            w.pos = i
+            w.refresh()
+        self.ranked = True
+
+    def set_kind(self, group: int, kind: str | None) -> None:
+        self.kinds[group] = kind
+        self._defaults = None
+
+    def default_groups(self) -> list[int]:
+        """R-APP-10 default groups (all groups when none qualifies); cached."""
+        d = self._defaults
+        if d is None:
+            gs = [g for g in self.trees if self.kinds.get(g) in DEFAULT_GROUP_KINDS]
+            d = self._defaults = sorted(gs) if gs else sorted(self.trees)
+        return d
+
+
+_EVENT_NAMES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+
+
+def _engine_rank(w: _Worker) -> tuple:
+    return w.engine, w.dp_rank
+
+
+class ModelRequiredError(KeyError):
+    """A query named no model while several are indexed (a client error, not a missing model)."""
+
+
+
+class IndexState:
+    """Empty state, the bounds and the counters (see :class:`indexer.PrefixIndex`
+    for the parameters)."""
+
+    def __init__(
+        self,
+        *,
+        credits: dict[str, float] | None = None,
+        total_chain: Sequence[str] = ("GPU", "CPU", "STORAGE"),
+        stale_factor: float = 0.5,
+        max_orphans: int = 10_000,
+        orphan_ttl_s: float = 30.0,
+        max_nodes: int | None = None,
+        max_dp_rank: int = 1023,
+        max_groups: int = 64,
+        max_tiers: int = MAX_TIERS,
+        clock=_now,
+    ) -> None:
+        self.credits = {k.upper(): float(v) for k, v in (DEFAULT_CREDITS if credits is None else credits).items()}
+        self.total_chain = tuple(t.upper() for t in total_chain)
+        self.stale_factor = float(stale_factor)
+        self.max_orphans = int(max_orphans)
+        self.orphan_ttl_s = float(orphan_ttl_s)
+        self.max_nodes = max_nodes
+        self.max_dp_rank = int(max_dp_rank)
+        self.max_groups = int(max_groups)
+        self.max_tiers = min(int(max_tiers), MAX_TIERS)
+        self._clock = clock
+        self._lock = threading.Lock()
+        # Queries about to take the lock: a writer thread yields the GIL after a
+        # batch when this is not empty, so a query waits for one batch, not for the
+        # interpreter's 5 ms switch interval. A deque because append/pop are atomic
+        # under the GIL, where `+= 1` from several query threads could drift.
+        self.readers_waiting: deque = deque()
+        self._models: dict[str, _Model] = {}
+        self._workers: dict[tuple[str, int], _Worker] = {}
+        self._free_wids: list[int] = []
+        self._next_wid = 0
+        # Tier names <-> ids; GPU is 0. The cache maps raw (medium, ownership) to an id.
+        self._tier_names: list[str] = ["GPU"]
+        self._tier_ids: dict[str, int] = {"GPU": 0}
+        self._tier_cache: dict = {None: 0}
+        self._orphan_queue: deque = deque()  # (t, wg, parent_hash, entry) in arrival order
+        self._orphans = 0
+        self._counters: dict[str, int] = {}
+        # {event type: {outcome: n}}; index 3 collects what the decoder ignored.
+        self._events: list[dict[str, int]] = [{}, {}, {}, {}]
+        self._dropped: dict[str, int] = {}
+        self._credits_cache: list[float] = []
+
+    def close(self) -> None:
+        """Free the whole index now (nodes are outside the cycle collector)."""
+        with self._lock:
+            for m in self._models.values():
+                for tree in m.trees.values():
+                    tree.clear()
+                m.trees.clear()
+            self._models.clear()
+            self._workers.clear()
+            self._orphan_queue.clear()
+            self._orphans = 0
+
+    def __del__(self) -> None:
+        try:
+            for m in self._models.values():
+                for tree in m.trees.values():
+                    tree.clear()
+        except Exception:  # interpreter shutdown: nothing left to free
+            pass
+
+    # ------------------------------------------------------------ counters
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self._counters[name] = self._counters.get(name, 0) + n
+
+    def _drop(self, engine: str, model: str, dp_rank: int | None, reason: str) -> None:
+        self._dropped[reason] = self._dropped.get(reason, 0) + 1
+        w = self._workers.get((engine, dp_rank or 0))
+        if w is not None:
+            w.dropped[reason] = w.dropped.get(reason, 0) + 1
+
+    def counter(self, name: str) -> int:
+        """One counter of ``stats()["counters"]`` (e.g. ``"batches_applied"``), cheaply:
+        no lock and no copy, for pollers that must not slow ingest down."""
+        return self._counters.get(name, 0)
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to one of ``stats()["counters"]`` (for the transport's own events)."""
+        with self._lock:
+            self._count(name, n)
+
+    def count_dropped(self, engine: str, dp_rank: int | None, reason: str) -> None:
+        """Count a message the transport dropped before decoding (R-DEC-3)."""
+        with self._lock:
+            self._drop(engine, "", dp_rank, reason)

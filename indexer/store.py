@@ -1,0 +1,331 @@
+"""Applying a batch (contract §4): stores, placeholders and orphans, on top of the
+removals and the worker lifecycle. The only writer of the trees with
+:mod:`.removal`; called under the index lock."""
+
+from __future__ import annotations
+
+import msgspec
+
+from .keys import KEY_SEED, block_keys, seeds_for_blocks
+from .lifecycle import Lifecycle
+from .sequencer import DUPLICATE, GAP, NEXT, classify
+from .state import _WG, GPU, _Worker
+from .tree import DEAD, Node, Tree, dup_add, insert_gpu
+from .wire import REMOVED, STORED, DecodeError, decode_batch, raw_array_len, token_bytes
+
+__all__ = ["Store"]
+
+
+class Store(Lifecycle):
+    """Decode-and-apply of one batch, stores and orphans."""
+
+    def _apply(self, engine: str, payload: bytes, model: str, dp_rank: int | None, seq: int | None,
+               decide: bool) -> tuple[str, float | None]:
+        try:
+            batch = decode_batch(payload)
+        except DecodeError as e:
+            self._drop(engine, model, dp_rank, e.reason)
+            w = self._workers.get((engine, dp_rank or 0))
+            if w is not None and seq is not None and (w.last_seq is None or seq > w.last_seq):
+                w.last_seq = seq  # the sequence number was used, by a bad batch
+                w.refresh()
+            return "dropped", None
+        rank = batch.dp_rank if batch.dp_rank is not None else (dp_rank or 0)
+        if rank.__class__ is not int or rank < 0 or rank > self.max_dp_rank:
+            self._drop(engine, model, dp_rank, "bad_dp_rank")
+            return "dropped", None
+        w = self._worker(engine, rank, model)
+        if seq is not None:
+            verdict = classify(w.last_seq, w.last_ts, seq, batch.ts)
+            if verdict == GAP:
+                w.gaps += 1
+                self._count("sequence_gaps")
+            elif decide and verdict != NEXT:
+                if verdict == DUPLICATE:
+                    self._count("batches_duplicate")
+                    return "duplicate", None
+                self._restart(w)
+            w.last_seq = seq
+        if batch.issues:
+            unknown = self._events[3]
+            for k, v in batch.issues.items():
+                unknown[k] = unknown.get(k, 0) + v
+        if self._orphans:
+            # Expire first: an orphan past its age bound is not adopted by this batch.
+            self._expire_orphans()
+        ev_counts = self._events
+        for ev in batch.events:
+            kind = ev.kind
+            if kind == STORED:
+                outcome = self._on_store(w, ev)
+            elif kind == REMOVED:
+                outcome = self._on_remove(w, ev)
+            else:
+                outcome = self._on_clear(w)
+            c = ev_counts[kind]
+            c[outcome] = c.get(outcome, 0) + 1
+        w.last_ts = batch.ts
+        w.last_apply = self._clock()
+        w.refresh()
+        w.batches += 1
+        self._count("batches_applied")
+        return "applied", batch.ts
+
+    def _tier(self, medium, ownership) -> int:
+        """Tier id of an event (contract §1 Tier); -1 once ``max_tiers`` are in use."""
+        ck = medium if ownership is None else (medium, ownership)
+        tid = self._tier_cache.get(ck)
+        if tid is not None:
+            return tid
+        if not isinstance(medium, (str, type(None))) or not isinstance(ownership, (str, type(None))):
+            return -1
+        name = (medium or "GPU").upper()
+        if ownership is not None:
+            name = f"{name}:{ownership}"
+        tid = self._tier_ids.get(name)
+        if tid is None:
+            if len(self._tier_names) >= self.max_tiers:
+                return -1
+            tid = len(self._tier_names)
+            self._tier_names.append(name)
+            self._tier_ids[name] = tid
+        if len(self._tier_cache) < 4 * self.max_tiers:
+            self._tier_cache[ck] = tid
+        return tid
+
+    def _group(self, ev) -> int:
+        g = ev.group_idx
+        if g is None:
+            return 0
+        if g < 0 or g >= self.max_groups:
+            return -1
+        return g
+
+    def _on_store(self, w: _Worker, ev) -> str:
+        loc = ev.locality
+        if loc is not None and loc.upper() == "REMOTE":
+            return "remote_ignored"  # R-APP-11
+        tid = self._tier(ev.medium, ev.ownership)
+        if tid < 0:
+            return "tier_limit"
+        group = self._group(ev)
+        if group < 0:
+            return "bad_group"
+        hashes = ev.block_hashes
+        n = len(hashes)
+        bs = ev.block_size
+        ntok = raw_array_len(ev.token_ids)
+        if bs <= 0 or ntok == 0:
+            return self._on_placeholder(w, ev, tid, group)
+        if n == 0 or ntok != n * bs:
+            return "shape_mismatch"  # R-APP-1: SWA/Mamba stores skip null blocks
+        m = self._models[w.model]
+        tree = m.trees.get(group)
+        if tree is None:
+            tree = m.trees[group] = Tree(group, bs, self.max_nodes is not None)
+            m.set_kind(group, ev.kv_cache_spec_kind)
+        elif tree.block_size != bs:
+            w.dropped["block_size_mismatch"] = w.dropped.get("block_size_mismatch", 0) + 1
+            return "block_size_mismatch"  # R-APP-7
+        elif m.kinds.get(group) is None and ev.kv_cache_spec_kind is not None:
+            m.set_kind(group, ev.kv_cache_spec_kind)
+        wg = w.groups.get(group)
+        if wg is None:
+            wg = w.groups[group] = _WG()
+        ph = ev.parent_block_hash
+        if ph is None:
+            parent = tree.root
+        else:
+            parent = wg.map.get(ph)
+            if parent is None or parent.parent is DEAD:
+                return self._orphan(wg, ph, ev, tid)
+        outcome = self._insert(tree, wg, w, tid, parent, ev)
+        if wg.orphans and outcome.startswith("applied"):
+            self._adopt(tree, wg, w, hashes)
+        if tree.stamps is not None and tree.nodes > self.max_nodes:
+            self._cap(m, tree)
+        return outcome
+
+    def _insert(self, tree: Tree, wg: _WG, w: _Worker, tid: int, parent: Node, ev) -> str:
+        """Attach the blocks of one rich store under ``parent`` and add residency.
+
+        Known hashes win (R-APP-2): a hash the worker already maps keeps its node,
+        and the event's tokens are only decoded and hashed when a block is new.
+        """
+        hashes = ev.block_hashes
+        wmap = wg.map
+        bit = w.bit
+        keys = None
+        new = 0
+        capped = tree.stamps is not None
+        get = wmap.get
+        if tid == GPU and not capped and get(hashes[0]) is None:
+            # The hot path: a GPU store that starts with a new block (tree.insert_gpu:
+            # the general loop below minus its per-block branches).
+            keys = self._event_keys(ev, tree.block_size, len(hashes))
+            if keys is None:
+                return "bad_tokens"
+            _, created, new = insert_gpu(wmap, parent, hashes, keys, bit, w.wid << 5)
+            tree.nodes += created
+            wg.res[GPU] += new
+            return "applied" if new == len(hashes) else "applied_with_duplicates"
+        for i, h in enumerate(hashes):
+            node = get(h)
+            if node is None or node.parent is DEAD:
+                if keys is None:
+                    keys = self._event_keys(ev, tree.block_size, len(hashes))
+                    if keys is None:
+                        self._rollback(tree, wg, w, tid, hashes, i)
+                        return "bad_tokens"
+                k = keys[i]
+                node = tree.child(parent, k)
+                if node is None:
+                    node = tree.add_child(parent, k)
+                wmap[h] = node
+            if capped:
+                tree.touch(node)
+            if tid == GPU:
+                m = node.gpu
+                if m & bit:
+                    dup_add(node, (w.wid << 5) | tid)
+                else:
+                    node.gpu = m | bit
+                    new += 1
+            else:
+                tiers = node.tiers
+                if tiers is None:
+                    node.tiers = {tid: bit}
+                    new += 1
+                else:
+                    m = tiers.get(tid, 0)
+                    if m & bit:
+                        dup_add(node, (w.wid << 5) | tid)
+                    else:
+                        tiers[tid] = m | bit
+                        new += 1
+            parent = node
+        if tid != GPU:
+            # R-APP-5: the blocks of one event form a chunk; mark its last block.
+            wg.mark_end(parent.tiers, tid, bit, parent, len(hashes))
+            self._models[w.model].tiered = True
+        wg.res[tid] += new
+        return "applied" if new == len(hashes) else "applied_with_duplicates"
+
+    def _rollback(self, tree, wg, w, tid, hashes, upto) -> None:
+        # Tokens that do not decode or exceed uint32 (R-BAD-3): undo the blocks of
+        # this event already attached through known hashes, so the event is all or
+        # nothing.
+        for h in hashes[:upto]:
+            node = wg.map.get(h)
+            if node is not None:
+                self._remove_one(tree, wg, w, tid, h, node)
+
+    @staticmethod
+    def _event_keys(ev, block_size: int, n: int):
+        try:
+            buf = token_bytes(ev.token_ids)
+        except (msgspec.DecodeError, OverflowError, TypeError, ValueError):
+            return None
+        lora = ev.lora_name
+        extra = ev.extra_keys
+        seed = KEY_SEED if (not lora and not extra) else seeds_for_blocks(n, lora, extra)
+        return block_keys(buf, block_size, seed)
+
+    def _on_placeholder(self, w: _Worker, ev, tid: int, group: int) -> str:
+        """R-APP-6: residency on nodes the worker already maps by hash; never a new node."""
+        wg = w.groups.get(group)
+        if wg is None:
+            return "placeholder_ignored"
+        if tid != GPU:
+            self._models[w.model].tiered = True
+        wmap = wg.map
+        bit = w.bit
+        hit = 0
+        new = 0
+        for h in ev.block_hashes:
+            node = wmap.get(h)
+            if node is None or node.parent is DEAD:
+                continue
+            hit += 1
+            if tid == GPU:
+                if node.gpu & bit:
+                    dup_add(node, (w.wid << 5) | tid)
+                else:
+                    node.gpu |= bit
+                    new += 1
+            else:
+                tiers = node.tiers
+                if tiers is None:
+                    tiers = node.tiers = {}
+                m = tiers.get(tid, 0)
+                if m & bit:
+                    dup_add(node, (w.wid << 5) | tid)
+                else:
+                    tiers[tid] = m | bit
+                    new += 1
+                # A placeholder names a chunk by its tail only. Taken as a chunk of
+                # one block it is credited only where the engine would load it too
+                # (the GPU prefix reaches the block before it): never over-credit.
+                if not tiers.get(-tid, 0) & bit:
+                    wg.mark_end(tiers, tid, bit, node, 1)
+        wg.res[tid] += new
+        if hit == 0:
+            return "placeholder_ignored"
+        return "placeholder_attached" if hit == len(ev.block_hashes) else "placeholder_partial"
+
+    # ---------------------------------------------------------------- orphans
+
+    def _orphan(self, wg: _WG, parent_hash, ev, tid: int) -> str:
+        """R-APP-3: buffer a store whose parent is unknown, keyed by that parent."""
+        entry = (ev, tid)
+        lst = wg.orphans.get(parent_hash)
+        if lst is None:
+            wg.orphans[parent_hash] = [entry]
+        else:
+            lst.append(entry)
+        self._orphans += 1
+        self._orphan_queue.append((self._clock(), wg, parent_hash, entry))
+        while self._orphans > self.max_orphans:
+            self._drop_oldest_orphan("orphan_overflow")
+        return "orphaned"
+
+    def _adopt(self, tree: Tree, wg: _WG, w: _Worker, hashes) -> None:
+        """Attach buffered children of the hashes just stored, then theirs (iterative)."""
+        stack = list(hashes)
+        orphans = wg.orphans
+        while stack and orphans:
+            h = stack.pop()
+            lst = orphans.pop(h, None)
+            if not lst:
+                continue
+            parent = wg.map.get(h)
+            for ev, tid in lst:
+                self._orphans -= 1
+                if parent is None or parent.parent is DEAD:
+                    self._count("orphans_dropped_parent_gone")
+                    continue
+                outcome = self._insert(tree, wg, w, tid, parent, ev)
+                self._count("orphans_adopted" if outcome.startswith("applied") else "orphans_dropped_bad")
+                stack.extend(ev.block_hashes)
+
+    def _drop_oldest_orphan(self, reason: str) -> None:
+        _, wg, ph, entry = self._orphan_queue.popleft()
+        lst = wg.orphans.get(ph)
+        if lst is None:
+            return  # adopted or dropped with its worker already
+        for i, e in enumerate(lst):
+            if e is entry:
+                del lst[i]
+                if not lst:
+                    del wg.orphans[ph]
+                self._orphans -= 1
+                self._count(reason)
+                return
+
+    def _expire_orphans(self) -> None:
+        q = self._orphan_queue
+        limit = self._clock() - self.orphan_ttl_s
+        while q and q[0][0] < limit:
+            self._drop_oldest_orphan("orphan_expired")
+        if not self._orphans:
+            q.clear()
