@@ -1,30 +1,17 @@
 """Live ingest: subscribe to vLLM engines over ZMQ and keep a PrefixIndex exact.
 
-Threads. One ingest thread owns every ZMQ socket (a SUB per worker, a DEALER per
-worker for replay, the socket monitors, and an inproc PAIR that wakes it for
-commands). It polls them all, and applies each batch to the :class:`PrefixIndex`
-under the index lock, one batch at a time. Queries run on the caller's thread
-and take the same lock, so they never see a half-applied batch (R-Q-5) and never
-wait behind more than one batch. One thread is enough: decoding and applying
-are CPU-bound Python, so more threads would only fight over the GIL, and a
-single owner needs no locking around per-worker sequence state.
+:class:`Indexer` wires the layers together, left to right: the transport
+(:mod:`.transport`: one thread owns every ZMQ socket), one sequencer
+:class:`~.sequencer.Stream` per worker (every seq, gap, restart, replay and
+continuity decision, R-STR-1..7), and the :class:`PrefixIndex` (decode and store).
+``_Sub`` is a worker's subscription (its sockets, and its Stream state); ``_Sink``
+is what its Stream calls: the index and the replay socket.
 
-Per worker (engine id x DP rank, R-STR-1..5):
-
-* in order (``seq == last + 1``): apply;
-* already applied: skip (replay/live overlap);
-* backwards (``seq <= last`` on the live socket): the engine restarted. Drop the
-  worker's residency first, then treat the batch as the first one;
-* forward jump, or a first batch with ``seq > 0`` (late join): ask the worker's
-  replay endpoint for ``last + 1`` (``0`` on late join) with a DEALER, buffer live
-  batches meanwhile, apply replayed batches in order, then the buffered ones;
-* unrecoverable (no replay endpoint, timeout, or a replay that starts after the
-  requested seq because the engine's buffer no longer holds it): mark the worker
-  ``stale`` with the reason, keep its index, accept the gap and go on.
-
-Recovered means the worker's index again holds everything the engine published
-since it started: a restart observed at seq 0, or a replay from seq 0 that
-really starts at 0 (for example :meth:`Indexer.resync`). Either clears ``stale``.
+Threads. Batches are applied on the ingest thread under the index lock, one at a
+time. Queries run on the caller's thread and take the same lock, so they never see
+a half-applied batch (R-Q-5) and never wait behind more than one batch. One thread
+is enough: decoding and applying are CPU-bound Python, so more threads would only
+fight over the GIL, and a single owner needs no locking around sequence state.
 """
 
 from __future__ import annotations
@@ -36,13 +23,13 @@ import threading
 import time
 from typing import Any, Iterable, Sequence
 
-import msgspec
 import zmq
 
+from .engines import EngineConfig, as_config, offset_endpoint
 from .index import PrefixIndex
-from .engines import END_SEQ, EngineConfig, as_config, offset_endpoint
-from .sequencer import Stream
 from .result import MatchResult
+from .sequencer import Stream
+from .transport import ZmqTransport
 
 __all__ = ["EngineConfig", "Indexer"]
 
@@ -114,7 +101,7 @@ class _Sink:
         self.index.count(name)
 
 
-class Indexer:
+class Indexer(ZmqTransport):
     """A :class:`PrefixIndex` fed live by ZMQ subscribers to a fleet of vLLM engines.
 
     Parameters
@@ -361,230 +348,6 @@ class Indexer:
         for (e, _), sub in list(self._subs.items()):
             if e == engine_id:
                 sub.resync()
-
-    # -------------------------------------------------------------- sockets
-
-    def _open(self, sub: _Sub) -> None:
-        try:
-            s = self._ctx.socket(zmq.SUB)
-        except zmq.ZMQError as e:  # out of sockets or file descriptors: say so, keep going
-            self.index.mark_stale(sub.engine, sub.rank, f"cannot open a socket for {sub.endpoint}: {e}")
-            return
-        try:
-            self._subscribe(sub, s)
-        except zmq.ZMQError as e:
-            s.close(0)
-            self.index.mark_stale(sub.engine, sub.rank, f"cannot open a socket for {sub.endpoint}: {e}")
-
-    def _subscribe(self, sub: _Sub, s) -> None:
-        s.setsockopt(zmq.RCVHWM, self.rcvhwm)
-        s.setsockopt(zmq.RECONNECT_IVL, self.reconnect_ivl_ms)
-        s.setsockopt(zmq.RECONNECT_IVL_MAX, self.reconnect_ivl_max_ms)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.SUBSCRIBE, sub.topic)
-        sub.mon = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        try:
-            s.connect(sub.endpoint)
-        except zmq.ZMQError as e:  # e.g. a host name that does not resolve
-            s.disable_monitor()
-            sub.mon.close(0)
-            s.close(0)
-            sub.mon = None
-            self.index.mark_stale(sub.engine, sub.rank, f"cannot connect to {sub.endpoint}: {e}")
-            return
-        sub.sock = s
-        self._poller.register(s, zmq.POLLIN)
-        self._poller.register(sub.mon, zmq.POLLIN)
-        self._owner[s] = (sub, "live")
-        self._owner[sub.mon] = (sub, "mon")
-        if sub.replay_endpoint:
-            self._open_dealer(sub)
-
-    def _open_dealer(self, sub: _Sub) -> None:
-        try:
-            d = self._ctx.socket(zmq.DEALER)
-        except zmq.ZMQError:
-            return  # as a failed connect below: gaps of this worker then make it stale
-        d.setsockopt(zmq.LINGER, 0)
-        d.setsockopt(zmq.RCVHWM, 0)
-        d.setsockopt(zmq.RECONNECT_IVL, self.reconnect_ivl_ms)
-        d.setsockopt(zmq.RECONNECT_IVL_MAX, self.reconnect_ivl_max_ms)
-        try:
-            d.connect(sub.replay_endpoint)
-        except zmq.ZMQError:
-            d.close(0)
-            return  # gaps of this worker are then unrecoverable (stale, with the reason)
-        sub.dealer = d
-        self._poller.register(d, zmq.POLLIN)
-        self._owner[d] = (sub, "replay")
-
-    def _close_dealer(self, sub: _Sub) -> None:
-        d = sub.dealer
-        if d is not None:
-            self._poller.unregister(d)
-            self._owner.pop(d, None)
-            d.close(0)
-            sub.dealer = None
-
-    def _close(self, sub: _Sub) -> None:
-        if sub.sock is None:
-            return
-        for s in (sub.sock, sub.mon):
-            self._poller.unregister(s)
-            self._owner.pop(s, None)
-        sub.sock.disable_monitor()
-        sub.mon.close(0)
-        sub.sock.close(0)
-        sub.sock = sub.mon = None
-        self._close_dealer(sub)
-
-    # ------------------------------------------------------------ the loop
-
-    def _run(self, wake_rx) -> None:
-        self._poller = zmq.Poller()
-        self._owner: dict = {}
-        self._poller.register(wake_rx, zmq.POLLIN)
-        for sub in self._subs.values():
-            self._open(sub)
-        try:
-            while self._running.is_set():
-                events = self._poller.poll(20 if self._replaying else 100)
-                for sock, _ in events:
-                    if sock is wake_rx:
-                        self._drain_commands(wake_rx)
-                        continue
-                    owner = self._owner.get(sock)
-                    if owner is None:
-                        continue
-                    sub, kind = owner
-                    try:
-                        if kind == "live":
-                            self._drain_live(sub, sock)
-                        elif kind == "replay":
-                            self._drain_replay(sub, sock)
-                        else:
-                            self._drain_monitor(sub, sock)
-                    except zmq.ZMQError:
-                        raise
-                    except Exception as e:
-                        # A message that trips a bug costs that message, counted
-                        # and logged, never the whole fleet's ingest.
-                        self._dropped(sub, "internal_error")
-                        log.exception("worker %s/%d: message dropped on an internal error: %r",
-                                      sub.engine, sub.rank, e)
-                self._check_timeouts()
-        except Exception as e:  # a bug must not leave the thread dead silently
-            self.error = f"ingest thread crashed: {e!r}"
-            log.exception("ingest thread crashed")
-            raise
-        finally:
-            for sub in self._subs.values():
-                self._close(sub)
-                sub.connected = False
-            wake_rx.close(0)
-
-    def _drain_commands(self, wake_rx) -> None:
-        while True:
-            try:
-                wake_rx.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-        while True:
-            try:
-                op, arg, done, box = self._cmds.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                box.append(self._do(op, arg))
-            except BaseException as e:  # handed back to the caller's thread
-                box.append(e)
-            done.set()
-
-    def _drain_live(self, sub: _Sub, sock, budget: int = 64) -> None:
-        # A bounded number per wake-up so one busy engine cannot starve the others.
-        recv = sock.recv
-        for _ in range(budget):
-            # Frames with .more instead of recv_multipart's RCVMORE getsockopt per
-            # frame: ~1.7 us less per message on the hottest loop of ingest.
-            try:
-                f = recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            frames = [f.bytes]
-            while f.more:
-                f = recv(0, copy=False)
-                frames.append(f.bytes)
-            sub.messages += 1
-            if len(frames) != 3:
-                self._dropped(sub, "bad_frame_count")
-                continue
-            seqb = frames[1]
-            if len(seqb) != 8:
-                self._dropped(sub, "bad_seq_frame")
-                continue
-            seq = int.from_bytes(seqb, "big")
-            last = sub.last
-            if last is not None and seq == last + 1 and not sub.replaying and not sub.unproven:
-                sub.apply(seq, frames[2])  # in order: the common case
-            else:
-                sub.live(seq, frames[2])
-
-    def _drain_monitor(self, sub: _Sub, sock) -> None:
-        while True:
-            try:
-                msg = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            event = int.from_bytes(msg[0][:2], "little")
-            sub.connected = event == zmq.EVENT_CONNECTED
-            if sub.connected:
-                sub.reconnected()  # R-STR-7: what follows must prove its continuity
-
-    def _drain_replay(self, sub: _Sub, sock) -> None:
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if not sub.replaying:
-                continue  # a late answer to a replay we gave up on
-            if frames and frames[0] == b"":
-                frames = frames[1:]
-            # >= 0.26: (topic, seq, payload); before: (seq, payload).
-            if len(frames) == 3:
-                seqb, payload = frames[1], frames[2]
-            elif len(frames) == 2:
-                seqb, payload = frames
-            else:
-                self._dropped(sub, "bad_replay_frame")
-                continue
-            if not payload or seqb == END_SEQ:
-                sub.replay_end()
-                if not sub.replaying:
-                    self._replaying.discard(sub)
-            elif len(seqb) != 8:
-                self._dropped(sub, "bad_replay_frame")
-            else:
-                sub.replayed(int.from_bytes(seqb, "big"), payload)
-            if sub.dealer is not sock:
-                return  # the sequencer gave this replay up: its socket is closed
-
-    def _check_timeouts(self) -> None:
-        if not self._replaying:
-            return
-        now = time.monotonic()
-        for sub in list(self._replaying):
-            if not sub.replaying:
-                self._replaying.discard(sub)
-                continue
-            sub.check_timeout(now)
-            if not sub.replaying:
-                self._replaying.discard(sub)
-
-    # ---------------------------------------------------------------- status
-
-    def _dropped(self, sub: _Sub, reason: str) -> None:
-        self.index.count_dropped(sub.engine, sub.rank, reason)
 
 
 def _yield_gil() -> None:
