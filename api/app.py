@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -25,9 +26,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from indexer import PrefixIndex
-from indexer.index import ModelRequiredError
 from indexer.discovery import DnsDiscovery
 from indexer.engines import EngineConfig
+from indexer.index import ModelRequiredError
 from indexer.ingest import Indexer
 from indexer.keys import split_json_tokens
 from indexer.route import Load, route

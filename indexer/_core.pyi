@@ -18,9 +18,9 @@ Conventions the C follows:
 
 from _typeshed import SupportsKeysAndGetItem
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, ClassVar, Final, TypeVar, final, overload
+from typing import Any, ClassVar, Final, TypeAlias, TypeVar, final, overload
 
-from typing_extensions import Buffer, TypeAlias
+from typing_extensions import Buffer
 
 _T = TypeVar("_T")
 # The answer type: a tuple subclass (result.WorkerMatch in the index).

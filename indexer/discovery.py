@@ -14,7 +14,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from .engines import EngineConfig
 from .ingest import Indexer

@@ -21,7 +21,8 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import zmq
 
@@ -41,7 +42,7 @@ class _Sub(Stream):
     __slots__ = ("engine", "rank", "model", "endpoint", "replay_endpoint", "topic", "sock", "mon", "dealer",
                  "connected", "messages")
 
-    def __init__(self, cfg: EngineConfig, rank: int, sink: "_Sink", ingest: "Indexer") -> None:
+    def __init__(self, cfg: EngineConfig, rank: int, sink: _Sink, ingest: Indexer) -> None:
         super().__init__(sink, max_buffered=ingest.max_buffered, replay_timeout_s=ingest.replay_timeout_s)
         self.engine = cfg.id
         self.rank = rank
@@ -60,7 +61,7 @@ class _Sink:
 
     __slots__ = ("ingest", "index")
 
-    def __init__(self, ingest: "Indexer") -> None:
+    def __init__(self, ingest: Indexer) -> None:
         self.ingest = ingest
         self.index = ingest.index
 
@@ -209,7 +210,7 @@ class Indexer(ZmqTransport):
     async def astop(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.stop)
 
-    def __enter__(self) -> "Indexer":
+    def __enter__(self) -> Indexer:
         self.start()
         return self
 

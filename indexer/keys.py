@@ -24,7 +24,8 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import msgspec
 import xxhash

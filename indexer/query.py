@@ -6,7 +6,8 @@ come out in), never what the index holds (R-Q-4)."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .keys import (
     KEY_SEED,

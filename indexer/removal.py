@@ -3,7 +3,7 @@ nobody holds freed up the chain, and the node cap's evictions."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from .state import _WG, GPU, IndexState, _Model, _Worker
 from .tree import DEAD, Node, Tree, remove_gpu
@@ -36,9 +36,7 @@ class Removal(IndexState):
             unknown = 0
             for h in ev.block_hashes:
                 node = wmap.get(h)
-                if node is None:
-                    unknown += 1
-                elif not self._remove_one(tree, wg, w, tid, h, node):
+                if node is None or not self._remove_one(tree, wg, w, tid, h, node):
                     unknown += 1
         if unknown:
             self._count("removed_unknown_blocks", unknown)

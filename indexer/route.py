@@ -7,7 +7,8 @@ the service's ``POST /v1/route`` and the fleet simulator's index policy.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping, NamedTuple
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 from .result import MatchResult
 

@@ -30,7 +30,8 @@ decision here, testable without sockets.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import msgspec
 from msgspec import Raw, Struct
@@ -84,25 +85,25 @@ def peek_ts(payload: bytes) -> float | None:
 class Sink(Protocol):
     """What a :class:`Stream` asks of the transport and the index (one worker each)."""
 
-    def apply_batch(self, stream: "Stream", seq: int, payload: bytes) -> float | None:
+    def apply_batch(self, stream: Stream, seq: int, payload: bytes) -> float | None:
         """Decode and apply one batch; return its ts, or None when it did not decode."""
 
-    def reset_worker(self, stream: "Stream") -> None:
+    def reset_worker(self, stream: Stream) -> None:
         """Drop the worker's residency in every tier (R-STR-5)."""
 
-    def request_replay(self, stream: "Stream", start: int) -> str | None:
+    def request_replay(self, stream: Stream, start: int) -> str | None:
         """Ask the replay endpoint for every batch from ``start``; the reason it cannot, or None."""
 
-    def cancel_replay(self, stream: "Stream") -> None:
+    def cancel_replay(self, stream: Stream) -> None:
         """Forget a replay in flight: its late answers must never reach the next one."""
 
-    def mark_stale(self, stream: "Stream", reason: str) -> None:
+    def mark_stale(self, stream: Stream, reason: str) -> None:
         """Mark the worker stale with ``reason`` (its index is kept)."""
 
-    def mark_fresh(self, stream: "Stream") -> None:
+    def mark_fresh(self, stream: Stream) -> None:
         """Clear the worker's stale mark (it holds the engine's whole history again)."""
 
-    def count(self, stream: "Stream", name: str) -> None:
+    def count(self, stream: Stream, name: str) -> None:
         """Add one to the counter ``name``."""
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Sequence
+from collections.abc import Sequence
 
 from .tree import MAX_TIERS, Kids, Tree
 

@@ -18,8 +18,17 @@ from operator import attrgetter
 
 import msgspec
 
-from ..vllm_events import ALL_BLOCKS_CLEARED, BATCH, BLOCK_REMOVED, BLOCK_STORED, EVENTS, MAP_LAYOUT_SINCE, REQUIRED
-from ..vllm_events import release, sent_by
+from ..vllm_events import (
+    ALL_BLOCKS_CLEARED,
+    BATCH,
+    BLOCK_REMOVED,
+    BLOCK_STORED,
+    EVENTS,
+    MAP_LAYOUT_SINCE,
+    REQUIRED,
+    release,
+    sent_by,
+)
 
 __all__ = ["Stored", "Removed", "Cleared", "encode_batch", "VERSIONS"]
 

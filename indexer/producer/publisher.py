@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Iterable
+from collections.abc import Iterable
 
 import zmq
 
@@ -186,7 +186,7 @@ class VllmPublisher:
             self._router.close(0)
         self._pub.close(0)
 
-    def __enter__(self) -> "VllmPublisher":
+    def __enter__(self) -> VllmPublisher:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -37,8 +37,9 @@ import threading
 import time
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import xxhash
 
