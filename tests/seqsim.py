@@ -111,7 +111,7 @@ class Engine:
 
 
 class _Sink:
-    def __init__(self, world: "World", engine: Engine) -> None:
+    def __init__(self, world: World, engine: Engine) -> None:
         self.world, self.engine = world, engine
         self.replay: list | None = None  # frames still to deliver, or None
 
@@ -215,7 +215,7 @@ class World:
         rng = self.rng
         self.now += 0.01
         idx = rng.randrange(len(self.engines))
-        e, st = self.engines[idx], self.streams[idx]
+        e = self.engines[idx]
         r = rng.random()
         if "restart" in self.faults and r < 0.04:
             e.connected = False
@@ -263,7 +263,7 @@ class World:
             self.now += 10.0
             for st in self.streams:
                 st.check_timeout(self.now)
-        for i, e in enumerate(self.engines):
+        for i in range(len(self.engines)):
             self.live(i, [Stored(self.hashes[0][:1], None, self.prompts[0][:BS], BS,
                                  kv_cache_spec_kind="full_attention")])
             while self.sinks[i].replay:

@@ -28,7 +28,8 @@ class Server:
 
     def __init__(self, *args: str, env: dict | None = None) -> None:
         self.port = free_port()
-        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"kvi-serve-{self.port}.log", "w+")
+        # Open for the child's lifetime; stop() closes it.
+        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"kvi-serve-{self.port}.log", "w+")  # noqa: SIM115
         cmd = [sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})},
                                      stdout=self.log, stderr=subprocess.STDOUT)
@@ -129,7 +130,7 @@ def wait_for(pred, timeout: float = 10.0, what: str = "condition"):
     return wait_until(pred, timeout, 0.02, what)
 
 
-def wait_subscribed(client: "Client", pub, engine: str, rank: int = 0) -> None:
+def wait_subscribed(client: Client, pub, engine: str, rank: int = 0) -> None:
     """Wait until the service's subscription to ``engine``/``rank`` is live (a PUB drops
     what it sends before that): one-frame probes, counted as ``bad_frame_count`` drops,
     until the service has received one."""

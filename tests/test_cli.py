@@ -98,7 +98,7 @@ def _walk(parser: argparse.ArgumentParser, path: str = ""):
             listed = {c.dest: c for c in a._choices_actions}
             for name, sp in a.choices.items():
                 yield from _walk(sp, f"{path} {name}".strip())
-                yield (f"{path} {name}".strip(), listed[name] if name in listed else None)
+                yield (f"{path} {name}".strip(), listed.get(name))
         else:
             yield path, a
 

@@ -95,8 +95,8 @@ def test_R_DEC_1_golden_payload_decodes_to_index_json(vdir, name):
             assert got == exp.get(f), (f, got, exp.get(f))
         # Both layouts expose locality/ownership (None in the positional layout).
         if tag != "AllBlocksCleared":
-            assert getattr(ev, "locality") == exp.get("locality")
-            assert getattr(ev, "ownership") == exp.get("ownership")
+            assert ev.locality == exp.get("locality")
+            assert ev.ownership == exp.get("ownership")
 
 
 @pytest.mark.parametrize("vdir", list(VERSIONS))

@@ -285,7 +285,7 @@ class IndexMachine(RuleBasedStateMachine):
     def expected_nodes(self, g) -> int:
         """R-APP-9: nodes = blocks someone holds in group g, plus their ancestors."""
         live = set()
-        for (w, t, g2), c in self.cnt.items():
+        for (_w, _t, g2), c in self.cnt.items():
             if g2 != g:
                 continue
             for h, n in c.items():
