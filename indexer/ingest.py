@@ -40,7 +40,7 @@ class _Sub(Stream):
     """One worker's subscription: its sockets and its :class:`Stream` (sequencing)."""
 
     __slots__ = ("engine", "rank", "model", "endpoint", "replay_endpoint", "topic", "sock", "mon", "dealer",
-                 "connected", "messages")
+                 "connected", "messages", "connects")
 
     def __init__(self, cfg: EngineConfig, rank: int, sink: _Sink, ingest: Indexer) -> None:
         super().__init__(sink, max_buffered=ingest.max_buffered, replay_timeout_s=ingest.replay_timeout_s)
@@ -54,6 +54,7 @@ class _Sub(Stream):
         self.sock = self.mon = self.dealer = None
         self.connected = False
         self.messages = 0
+        self.connects = 0  # live-socket connects seen by the monitor (1 = never reconnected)
 
 
 class _Sink:
@@ -271,6 +272,7 @@ class Indexer(ZmqTransport):
                     replays_failed=sub.replays_failed,
                     gaps=sub.gaps,  # seen on the wire, repaired or not
                     messages=sub.messages,
+                    connects=sub.connects,
                 )
             out.append(w)
         return out

@@ -42,6 +42,7 @@ class Sub(Protocol):
     dealer: Any
     connected: bool
     messages: int
+    connects: int
     last: int | None
     replaying: bool
     unproven: bool
@@ -248,6 +249,7 @@ class ZmqTransport:
             event = int.from_bytes(msg[0][:2], "little")
             sub.connected = event == zmq.EVENT_CONNECTED
             if sub.connected:
+                sub.connects += 1
                 sub.reconnected()  # R-STR-7: what follows must prove its continuity
 
     def _drain_replay(self, sub: Sub, sock) -> None:

@@ -1,0 +1,197 @@
+"""A restart hidden behind a reconnect, through real sockets (R-STR-5, R-STR-7).
+
+The engine here restarts as a real one does: its publisher's sockets close and a new
+process binds the same ports, so the indexer's SUB sees a disconnect and a reconnect,
+and ZMQ PUB drops the new incarnation's first batches while nobody is subscribed. The
+expected state is the new incarnation's own log, through ``reference`` (an index fed
+only that log): the old prompts must be gone, or the worker stale with a reason.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import zmq
+
+from evkit import ehashes, removed
+from indexer.engines import EngineConfig
+from indexer.producer.publisher import VllmPublisher
+from seqsim import Model
+from svc import wait_until
+from test_ingest import BS, P, ManualReplay, Rec, assert_same_index, free_ports, gpu, ready, reference, rig, total, wi  # noqa: F401 (rig: the fixture)
+
+
+class Engine:
+    """A vLLM engine rank on fixed ports that can die and come back."""
+
+    def __init__(self, rig, replay: bool = True) -> None:
+        self.rig = rig
+        self.port = free_ports(1)
+        self.rport = free_ports(1) if replay else None
+        self.rec = Rec(self._bind(), "e1")
+
+    def _bind(self) -> VllmPublisher:
+        for _ in range(100):  # the old process's ports may take a moment to free
+            try:
+                return self.rig.pub(f"tcp://127.0.0.1:{self.port}",
+                                    f"tcp://127.0.0.1:{self.rport}" if self.rport else None, bind=True)
+            except zmq.ZMQError:
+                time.sleep(0.02)
+        raise AssertionError("could not bind the engine's ports again")
+
+    @property
+    def config(self) -> EngineConfig:
+        return EngineConfig(id="e1", endpoint=f"tcp://127.0.0.1:{self.port}",
+                            replay_endpoint=f"tcp://127.0.0.1:{self.rport}" if self.rport else None)
+
+    def restart(self, lost: int, prompts) -> None:
+        """Die, come back on the same ports, and publish ``lost`` batches nobody gets."""
+        self.rec.pub.close()
+        self.rig.pubs.remove(self.rec.pub)
+        self.rec.pub = self._bind()
+        self.rec.log = []
+        self.rec.restarts += 1
+        for i in range(lost):
+            self.rec.send(gpu(prompts[i % len(prompts)]), drop=True)  # PUB: no subscriber yet
+
+
+def reconnected(ix, n: int, engine: str = "e1") -> None:
+    """Wait for the ``n``-th reconnect of the worker's SUB (its ``n + 1``-th connect)."""
+    wait_until(lambda: wi(ix, engine)["connects"] > n and wi(ix, engine)["connected"],
+               timeout=10, msg=lambda: f"SUB reconnected: {wi(ix, engine)}")
+    time.sleep(0.2)  # the ZMTP handshake carries the subscription
+
+
+def old_then_restart(rig, lost: int, replay: bool = True):
+    eng = Engine(rig, replay)
+    ix = rig.indexer([eng.config])
+    ready(ix)
+    for i in range(3):  # seqs 0-2: P0-P2 on the GPU
+        eng.rec.send(gpu(P[i]))
+    wait_until(lambda: wi(ix, "e1")["last_seq"] == 2, msg="old incarnation applied")
+    assert all(total(ix, P[i], "e1") == 4 for i in range(3))
+    eng.restart(lost, P[3:6])
+    reconnected(ix, 1)
+    eng.rec.send(gpu(P[6]))  # seq `lost`: the first batch the indexer sees
+    return eng, ix
+
+
+@pytest.mark.parametrize("lost", [0, 1, 3, 4, 7])
+def test_R_STR_7_issue_scenario_restart_behind_a_gap_drops_the_old_prompts(rig, lost):
+    """vLLM 0.33's publisher with replay: seqs 0-2 (P0-P2), the engine restarts, its
+    first ``lost`` batches are lost, the next one arrives. With lost == 3 it is seq 3,
+    exactly what a gap-free stream would send next. Every time, P0-P2 are gone and
+    the worker ends equal to what the new incarnation published, not stale."""
+    eng, ix = old_then_restart(rig, lost)
+    wait_until(lambda: wi(ix, "e1")["last_seq"] == lost and not wi(ix, "e1")["replaying"],
+               timeout=10, msg=lambda: f"new incarnation applied: {wi(ix, 'e1')}")
+    w = wi(ix, "e1")
+    assert [total(ix, P[i], "e1") for i in range(3)] == [0, 0, 0], w
+    assert total(ix, P[6], "e1") == 4 and w["restarts"] == 1 and not w["stale"], w
+    assert_same_index(ix, reference([eng.rec]), P)
+
+
+@pytest.mark.parametrize("lost", [1, 3, 5])
+def test_R_STR_7_without_a_replay_endpoint_the_worker_is_stale_with_the_reason(rig, lost):
+    """No replay endpoint: continuity after the reconnect cannot be proven (lost == 3
+    even looks in order). The worker must not be trusted silently: it is stale, and
+    says why."""
+    eng, ix = old_then_restart(rig, lost, replay=False)
+    wait_until(lambda: wi(ix, "e1")["messages"] == eng.rec.live_sent, msg="live batch received")
+    wait_until(lambda: wi(ix, "e1")["stale"], msg=lambda: f"stale: {wi(ix, 'e1')}")
+    reason = wi(ix, "e1")["stale_reason"]
+    assert "continuity after seq 2 unproven" in reason or "no replay endpoint" in reason, reason
+    old = ix.match(P[0]).worker("e1")
+    assert old is None or old.stale  # P0 gone (a restart proven by a newer ts), or flagged
+    # The next restart the indexer sees at seq 0 recovers it (R-STR-4).
+    eng.restart(0, P)
+    reconnected(ix, 2)
+    eng.rec.send(gpu(P[7]))
+    wait_until(lambda: not wi(ix, "e1")["stale"], msg=lambda: f"recovered: {wi(ix, 'e1')}")
+    assert [total(ix, P[i], "e1") for i in range(3)] == [0, 0, 0]
+    assert_same_index(ix, reference([eng.rec]), P)
+
+
+def test_R_STR_7_restart_during_a_replay(rig):
+    """A gap makes the indexer ask for a replay (held open by a ROUTER we answer
+    ourselves); the engine restarts before it is answered, losing its first batches.
+    The request is then answered by the new incarnation (relayed from its real
+    replay socket): the proof sees another ts at the anchor, and the worker is rebuilt
+    from the new incarnation; P0 and P2 are gone."""
+    eng = Engine(rig)
+    man = ManualReplay(rig)
+    ix = rig.indexer([EngineConfig(id="e1", endpoint=f"tcp://127.0.0.1:{eng.port}", replay_endpoint=man.endpoint)],
+                     replay_timeout_s=5.0)
+    ready(ix)
+    eng.rec.send(gpu(P[0]))
+    eng.rec.send(gpu(P[1]), drop=True)
+    eng.rec.send(gpu(P[2]))  # gap: replay from the anchor 0
+    client, start = man.request()
+    assert start == 0
+    eng.restart(4, P[3:6])
+    reconnected(ix, 1)
+    eng.rec.send(gpu(P[6]))  # seq 4, buffered while the replay is open
+    wait_until(lambda: wi(ix, "e1")["messages"] == eng.rec.live_sent, msg="live batch received")
+    man.relay(rig, client, start, eng.rec.pub)  # answered by the engine as it is now
+    while True:  # the rebuild asks again, from 0: relay every request until it settles
+        if man.no_request(0.3) and not wi(ix, "e1")["replaying"]:
+            break
+        client, start = man.request()
+        man.relay(rig, client, start, eng.rec.pub)
+    w = wi(ix, "e1")
+    assert [total(ix, P[i], "e1") for i in (0, 2)] == [0, 0], w
+    assert not w["stale"] and w["last_seq"] == 4, w
+    assert_same_index(ix, reference([eng.rec]), P)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_R_STR_7_soak_over_real_sockets(rig, seed):
+    """A short seeded soak through real publishers: stores and evictions, restarts with
+    0-5 lost first batches, live losses. Once settled, every worker equals what its
+    engine's current incarnation holds by an independent model (tests/seqsim.py: a few
+    dicts, no PrefixIndex), and none is stale: every engine has a replay endpoint
+    whose ring holds its whole history. The long run is benchmarks/soak_sequencer.py."""
+    rng = random.Random(seed)
+    engines = [Engine(rig) for _ in range(2)]
+    models = [Model() for _ in engines]
+    hashes = [ehashes(p, BS) for p in P]
+    for k, e in enumerate(engines):
+        e.rec.engine = f"e{k}"
+    ix = rig.indexer([EngineConfig(id=f"e{k}", endpoint=f"tcp://127.0.0.1:{e.port}",
+                                   replay_endpoint=f"tcp://127.0.0.1:{e.rport}") for k, e in enumerate(engines)])
+    ready(ix)
+    restarts = [0, 0]
+    for _ in range(40):
+        k = rng.randrange(2)
+        e, m = engines[k], models[k]
+        r = rng.random()
+        if r < 0.1:
+            lost = rng.randint(0, 5)
+            m.clear()
+            for j in range(lost):  # what restart() publishes, lost on the wire
+                m.store(hashes[j % len(P)])
+            e.restart(lost, P)
+            restarts[k] += 1
+            reconnected(ix, restarts[k], f"e{k}")
+        elif r < 0.4:
+            hs = hashes[rng.randrange(len(P))][-rng.randint(1, 4):][::-1]
+            m.remove(hs)
+            e.rec.send([removed(hs)], drop=rng.random() < 0.1)
+        else:
+            i = rng.randrange(len(P))
+            m.store(hashes[i])
+            e.rec.send(gpu(P[i]), drop=rng.random() < 0.1)
+    for k, e in enumerate(engines):
+        models[k].store(hashes[0])
+        e.rec.send(gpu(P[0]))  # one last batch each, never lost
+    for k, e in enumerate(engines):
+        last = e.rec.pub.next_seq - 1
+        wait_until(lambda: wi(ix, f"e{k}")["last_seq"] == last and not wi(ix, f"e{k}")["replaying"], timeout=10,
+                   msg=lambda: f"e{k} settled: {wi(ix, f'e{k}')}")
+    for k, m in enumerate(models):
+        w = wi(ix, f"e{k}")
+        assert not w["stale"], w
+        assert w["resident_blocks"].get("GPU", 0) == len(m.count), (w, len(m.count))
+        assert [total(ix, p, f"e{k}") for p in P] == [m.prefix(h) for h in hashes]
