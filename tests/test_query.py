@@ -342,27 +342,55 @@ def test_R_Q_4_match_is_read_only(ver):
 
 def test_R_Q_5_no_half_applied_batch_visible():
     """Each batch stores (or removes) a chain as two events: blocks 0-1, then blocks
-    2-3 under block 1. A concurrent query sees 0 or 4 blocks, never 2."""
+    2-3 under block 1, so a half-applied batch shows 2 blocks (and a node count that is
+    not a multiple of 4). One writer applies the batches in a fixed schedule while two
+    readers query; around every call the writer counts batches started and finished,
+    and around every query a reader reads ``finished`` before and ``started`` after.
+
+    The reference is the schedule itself (written here, not derived from the index):
+    after ``n`` whole batches, prompt ``i`` holds 4 blocks when ``i < n % 8 <= i + 4``
+    and 0 otherwise. A query that ran between ``finished == f`` and ``started == s``
+    may see the state after any whole batch ``f .. s``, and nothing else. The test
+    also proves that queries really ran while batches were being applied: many
+    queries overlapped an apply call, and some saw the effect of a batch that was
+    still in progress when they started."""
     idx = PrefixIndex()
-    prompts = [toks(10_000 * (i + 1), 4, 4) for i in range(4)]
+    idx.register_worker(ENGINE, 0)  # the model is known before a reader's first query
+    nprompts = 4
+    prompts = [toks(10_000 * (i + 1), 4, 4) for i in range(nprompts)]
     store_batches = [encode_batch([store(p, 4, 0, 2), store(p, 4, 2, 4)]) for p in prompts]
     remove_batches = [
         encode_batch([Removed(block_hashes=ehashes(p, 4)[2:4][::-1], medium="GPU"),
                       Removed(block_hashes=ehashes(p, 4)[0:2][::-1], medium="GPU")])
         for p in prompts
     ]
+    schedule = store_batches + remove_batches  # one round: store 0..3, then remove 0..3
+    period = len(schedule)
+
+    def blocks_after(i: int, n: int) -> int:
+        return 4 if i < n % period <= i + nprompts else 0
+
+    def nodes_after(n: int) -> int:
+        return 4 * sum(blocks_after(i, n) == 4 for i in range(nprompts))
+
     rounds = 1500
+    progress = [0, 0]  # [batches started, batches finished], written by the writer only
     stop = threading.Event()
-    seen: list = []
+    mid_seen: list = []  # appended by a reader on a query that saw a batch land mid-query
+    seen: list = []  # (prompt index or "nodes", answer, finished before, started after)
     errors: list = []
 
     def writer():
         try:
-            for _ in range(rounds):
-                for i in range(len(prompts)):
-                    idx.apply(ENGINE, store_batches[i])
-                for i in range(len(prompts)):
-                    idx.apply(ENGINE, remove_batches[i])
+            done = 0
+            # At least ``rounds`` rounds; more (bounded) until a reader has seen a batch
+            # land while its query was waiting, which a loaded machine can delay.
+            while done < rounds or (not mid_seen and done < 10 * rounds):
+                done += 1
+                for payload in schedule:
+                    progress[0] += 1
+                    idx.apply(ENGINE, payload)
+                    progress[1] += 1
         except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
         finally:
@@ -371,11 +399,18 @@ def test_R_Q_5_no_half_applied_batch_visible():
     def reader():
         try:
             while not stop.is_set():
-                for p in prompts:
+                for i, p in enumerate(prompts):
+                    f0 = progress[1]
                     w = idx.match(p).worker(ENGINE, 0)
-                    seen.append(0 if w is None else w.total_blocks)
-                    n = idx.stats()["nodes"]
-                    seen.append(("nodes", n))
+                    s1 = progress[0]
+                    got = 0 if w is None else w.total_blocks
+                    seen.append((i, got, f0, s1))
+                    if s1 > f0 and got != blocks_after(i, f0):
+                        mid_seen.append(None)
+                f0 = progress[1]
+                n = idx.stats()["nodes"]
+                s1 = progress[0]
+                seen.append(("nodes", n, f0, s1))
         except Exception as e:  # pragma: no cover
             errors.append(e)
 
@@ -386,16 +421,30 @@ def test_R_Q_5_no_half_applied_batch_visible():
         for th in threads:
             th.start()
         for th in threads:
-            th.join(timeout=20)
+            th.join(timeout=60)
     finally:
         sys.setswitchinterval(old)
+    assert not any(th.is_alive() for th in threads), "a thread did not finish"
     assert not errors, errors
-    blocks = [x for x in seen if not isinstance(x, tuple)]
-    nodes = [x[1] for x in seen if isinstance(x, tuple)]
-    assert blocks, "the reader never ran"
-    assert set(blocks) <= {0, 4}
-    assert all(n % 4 == 0 for n in nodes)
-    assert 4 in blocks or 0 in blocks
+    assert progress[0] == progress[1] and progress[0] % period == 0 and progress[0] >= rounds * period
+    assert seen, "the readers never ran"
+
+    bad = []
+    overlapped = 0  # queries whose interval met an apply call
+    mid_batch = 0  # queries that saw a batch which had not finished when they started
+    for who, got, f0, s1 in seen:
+        want = nodes_after if who == "nodes" else (lambda n, i=who: blocks_after(i, n))
+        allowed = {want(n) for n in range(f0, s1 + 1)}
+        if got not in allowed:
+            bad.append((who, got, f0, s1, sorted(allowed)))
+        if s1 > f0:
+            overlapped += 1
+            if got != want(f0):
+                mid_batch += 1
+    assert not bad, f"{len(bad)} answers no whole-batch boundary allows, e.g. {bad[:5]}"
+    assert overlapped > 0 and mid_batch > 0, (overlapped, mid_batch, len(seen))
+    answers = [got for who, got, _, _ in seen if who != "nodes"]
+    assert 2 not in answers and {0, 4} <= set(answers)
     assert idx.stats()["nodes"] == 0
 
 
