@@ -138,6 +138,62 @@ def test_R_KEY_1_lora_name_repeated_in_extra_keys_is_normalized():
     assert seeds_for_blocks(1, None, [["a"]]) != seeds_for_blocks(1, None, None)
 
 
+def _readme_msgpack(obj) -> bytes:
+    """The MessagePack bytes of the README's ``[lora, [parts...]]`` for short strings:
+    written out by hand from the MessagePack spec (fixarray 0x90|n, fixstr 0xa0|len,
+    nil 0xc0), so the reference shares no encoder with ``indexer.keys``."""
+    if obj is None:
+        return b"\xc0"
+    if isinstance(obj, str):
+        raw = obj.encode()
+        assert len(raw) < 32
+        return bytes([0xA0 | len(raw)]) + raw
+    assert isinstance(obj, list) and len(obj) < 16
+    return bytes([0x90 | len(obj)]) + b"".join(_readme_msgpack(x) for x in obj)
+
+
+def _readme_seed(lora, parts) -> int:
+    """README, Semantics: ``seed = xxh3_64(b"kvpi-ns1" + msgpack([lora, parts]), 1337)``."""
+    return xxhash.xxh3_64_intdigest(b"kvpi-ns1" + _readme_msgpack([lora, list(parts)]), seed=1337)
+
+
+def _readme_key(tokens, seed) -> int:
+    """README: xxh3-64 of the block's token ids as little-endian uint32."""
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(tokens)}I", *tokens), seed=seed)
+
+
+def test_R_KEY_1_R_KEY_2_readme_namespace_seed_formula_is_what_the_index_uses():
+    """A caller computing keys from the README alone (xxhash, MessagePack by hand,
+    seed 1337) gets ``namespace_seed``'s seeds and the keys the index stores for a
+    real vLLM LoRA + salt event, so ``match_by_keys`` with them finds every block."""
+    # The hand encoder is right about the spec: a known vector.
+    assert _readme_msgpack(["a", ["s"]]) == bytes([0x92, 0xA1, 0x61, 0x91, 0xA1, 0x73])
+    assert _readme_msgpack([None, []]) == b"\x92\xc0\x90"
+    for lora, parts in [("adapter-a", ["tenant-a"]), ("adapter-a", []), (None, ["tenant-a"]),
+                        ("adapter-b", ["tenant-a", "mm-digest"])]:
+        assert namespace_seed(lora, parts) == _readme_seed(lora, parts), (lora, parts)
+    assert _readme_seed("adapter-a", ["tenant-a"]) != _readme_seed("adapter-a", [])
+
+    # The golden vLLM 0.33 LoRA + salt store: 3 blocks of 16 tokens, extra_keys
+    # [[lora, salt], [lora], [lora]] (the LoRA name repeated, stripped per R-KEY-1).
+    idx = _lora_index("v0.33.0")
+    bs = 16
+    blocks = [TOK[i * bs:(i + 1) * bs] for i in range(3)]
+    lora_salt, lora_only = _readme_seed("adapter-a", ["tenant-a"]), _readme_seed("adapter-a", [])
+    keys = [_readme_key(blocks[0], lora_salt)] + [_readme_key(b, lora_only) for b in blocks[1:]]
+    assert len(set(keys) | {_readme_key(b, 1337) for b in blocks}) == 6  # namespaced != plain
+    # The query side: the keys the library computes for a LoRA + salted query.
+    n = len(blocks)
+    assert block_keys(TOK, bs, seeds_for_blocks(n, "adapter-a", query_extra_keys(n, "tenant-a", None))) == keys
+    # The store side: the index holds exactly these keys.
+    w = idx.match_by_keys(keys).worker("e", 0)
+    assert w is not None and w.tiers == {"GPU": 3, "CPU": 3} and w.total_blocks == 3
+    assert idx.match(TOK, lora_name="adapter-a", cache_salt="tenant-a").worker("e", 0).total_blocks == 3
+    # Keys from the plain seed, or the LoRA seed on block 0, match nothing.
+    assert idx.match_by_keys([_readme_key(b, 1337) for b in blocks]).worker("e", 0) is None
+    assert idx.match_by_keys([_readme_key(blocks[0], lora_only)] + keys[1:]).worker("e", 0) is None
+
+
 def test_R_KEY_1_query_extra_keys_salt_on_block_0():
     assert query_extra_keys(3, None, None) is None
     assert query_extra_keys(3, "s", None) == [["s"], None, None]
