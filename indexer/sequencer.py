@@ -310,11 +310,12 @@ class Stream:
 
     def _rebuild(self) -> None:
         """A restart proven by a replay: drop the worker's residency and replay from 0.
-        The buffered live batches stay: they are the new incarnation's."""
-        keep = self.pending
+        The buffered live batches go too: those of the new incarnation were published
+        before the replay request, so its answer holds them; the others (received
+        before the reconnect) are the old incarnation's."""
         self._cancel()
+        self.pending = []
         self._restart()
-        self.pending = keep
         self._replay(0, None)
 
     def _prove(self, seq: int, payload: bytes) -> None:
