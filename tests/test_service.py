@@ -4,6 +4,7 @@ registered over the API, events from the vLLM-compatible publisher over real ZMQ
 
 from __future__ import annotations
 
+import http.client
 import json
 
 import pytest
@@ -292,6 +293,64 @@ def test_R_BAD_2_oversized_requests_get_413(api):
     m1 = api.metrics()
     assert sample(m1, "kvi_api_errors_total", route="/v1/match", status=413) - \
         sample(m0, "kvi_api_errors_total", route="/v1/match", status=413) == 2
+
+
+def chunked_post(port: int, path: str, parts: list[bytes]) -> tuple[int, dict, list[tuple[str, str]]]:
+    """POST ``parts`` as a ``Transfer-Encoding: chunked`` body (no Content-Length) on a
+    new raw connection; ``(status, JSON body, response headers)``. The server may answer
+    before the body ends: sending stops quietly if it stops reading."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    try:
+        conn.putrequest("POST", path)
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Transfer-Encoding", "chunked")
+        conn.endheaders()
+        try:
+            for part in parts:
+                conn.send(b"%x\r\n%s\r\n" % (len(part), part))
+            conn.send(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        r = conn.getresponse()
+        return r.status, json.loads(r.read()), r.getheaders()
+    finally:
+        conn.close()
+
+
+def _chunked_match_body(n_bytes: int, size: int = 16_384) -> list[bytes]:
+    """A JSON match request of at least ``n_bytes``, cut into ``size``-byte chunks."""
+    body = b'{"token_ids": [' + b"1," * (n_bytes // 2) + b'1], "model": "default"}'
+    return [body[i:i + size] for i in range(0, len(body), size)]
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["fast_path", "fastapi"])
+def test_R_BAD_2_chunked_body_over_the_byte_limit_gets_413(server, serve, fast_path):
+    """A body sent with ``Transfer-Encoding: chunked`` has no Content-Length to refuse
+    it on: it is counted as it arrives and refused with 413 once past
+    ``max_request_bytes``, on both the fast path and FastAPI's routing; the service
+    answers normally afterwards, and a chunked body within the bound is read whole."""
+    if fast_path:
+        port = server.port
+    else:
+        port = serve(env={"KVI_FAST_PATH": "false", "KVI_MAX_REQUEST_BYTES": str(MAX_BYTES)}).port
+    c = Client(port)
+    m0 = c.metrics()
+    parts = _chunked_match_body(MAX_BYTES + 50_000)
+    assert len(parts) > 10 and sum(map(len, parts)) > MAX_BYTES + 50_000
+    st, res, headers = chunked_post(port, "/v1/match", parts)
+    assert st == 413, res
+    assert str(MAX_BYTES) in res["detail"] and "limit" in res["detail"]
+    # Within the bound, the same chunked framing is read whole and parsed: not a 413.
+    small = _chunked_match_body(6_000, size=1_000)  # 3,001 tokens: under MAX_TOKENS too
+    assert len(small) > 1
+    st, res, _ = chunked_post(port, "/v1/match", small)
+    assert st in (200, 404) and "limit" not in res.get("detail", ""), (st, res)
+    # Still serving, on new and old connections.
+    assert c.get("/healthz") == (200, {"status": "ok"})
+    assert Client(port).post("/v1/match", {"token_ids": [1] * BS})[0] in (200, 404)
+    m1 = c.metrics()
+    assert sample(m1, "kvi_api_errors_total", route="/v1/match", status=413) - \
+        sample(m0, "kvi_api_errors_total", route="/v1/match", status=413) == 1
 
 
 def test_R_BAD_1_engines_conflict_and_unknown(api, pubs):
