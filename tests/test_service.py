@@ -347,7 +347,7 @@ def test_R_BAD_2_chunked_body_over_the_byte_limit_gets_413(server, serve, fast_p
     assert st in (200, 404) and "limit" not in res.get("detail", ""), (st, res)
     # Still serving, on new and old connections.
     assert c.get("/healthz") == (200, {"status": "ok"})
-    assert Client(port).post("/v1/match", {"token_ids": [1] * BS})[0] in (200, 404)
+    assert Client(port).post("/v1/match", {"token_ids": [1] * BS, "model": "default"})[0] in (200, 404)
     m1 = c.metrics()
     assert sample(m1, "kvi_api_errors_total", route="/v1/match", status=413) - \
         sample(m0, "kvi_api_errors_total", route="/v1/match", status=413) == 1
