@@ -22,14 +22,15 @@ offloads of GPU blocks) never pays for its tokens.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, Union
 
 import msgspec
 from msgspec import Raw, Struct
 
 from ._compiled import core as _core
 from .keys import tokens_to_bytes
-from .vllm_events import BATCH, CLEARED, EVENTS, MAP_LAYOUT_SINCE, REMOVED, REQUIRED, STORED
+from .vllm_events import BATCH, CLEARED, EVENTS, MAP_LAYOUT_SINCE, REMOVED, REQUIRED, STORED, Event, Field, Hash
 
 __all__ = [
     "STORED",
@@ -38,7 +39,6 @@ __all__ = [
     "DecodeError",
     "DecodedBatch",
     "decode_batch",
-    "peek_ts",
     "raw_array_len",
     "decode_tokens",
     "token_bytes",
@@ -48,10 +48,10 @@ __all__ = [
 # :mod:`indexer.vllm_events` (fields, types, wire order, which release sends what).
 
 
-def _spec(fields) -> list:
+def _spec(fields: Iterable[Field]) -> list[tuple[Any, ...]]:
     """``defstruct`` fields as the decoder reads them: every field vLLM may leave out
     has a default (its value when absent), ``decoded`` types override vLLM's."""
-    spec = []
+    spec: list[tuple[Any, ...]] = []
     for f in fields:
         typ = f.type if f.decoded is None else f.decoded
         if f.absent is REQUIRED:
@@ -63,7 +63,7 @@ def _spec(fields) -> list:
     return spec
 
 
-def _event_struct(ev, array: bool, strict: bool) -> type:
+def _event_struct(ev: Event, array: bool, strict: bool) -> type[Struct]:
     """The decoder struct of one event type in one layout.
 
     Map layout (vLLM >= 0.24): every field of any map release. Positional layout
@@ -82,7 +82,7 @@ def _event_struct(ev, array: bool, strict: bool) -> type:
                              array_like=array, forbid_unknown_fields=strict, gc=False)
 
 
-def _batch_struct(name: str, events_type) -> type:
+def _batch_struct(name: str, events_type: Any) -> type[Struct]:
     spec = _spec(BATCH)
     spec[[f.name for f in BATCH].index("events")] = ("events", events_type)
     return msgspec.defstruct(name, spec, module=__name__, array_like=True, gc=False)
@@ -96,26 +96,25 @@ _LENIENT_ARR = {ev.tag: _event_struct(ev, True, False) for ev in EVENTS}
 _ARR_FIELDS = {tag: len(cls.__struct_fields__) for tag, cls in _ARR.items()}
 _MAP_FIELDS = {tag: frozenset(cls.__struct_fields__) for tag, cls in _MAP.items()}
 
-MapEvent = Union[tuple(_MAP.values())]
-ArrEvent = Union[tuple(_ARR.values())]
+# Unions of the classes built above, made at import: values to msgspec, no static types.
+MapEvent: Any = Union[tuple(_MAP.values())]  # noqa: UP007 - a union built from a tuple
+ArrEvent: Any = Union[tuple(_ARR.values())]  # noqa: UP007 - a union built from a tuple
 
 _MapBatch = _batch_struct("_MapBatch", list[MapEvent])
 _ArrBatch = _batch_struct("_ArrBatch", list[ArrEvent])
 _RawBatch = _batch_struct("_RawBatch", list[Raw])
 
 
-class _TsOnly(Struct, array_like=True, gc=False):
-    ts: float
-    events: Raw
-    data_parallel_rank: Any = None
-
-
-_map_batch = msgspec.msgpack.Decoder(_MapBatch)
-_ts_only = msgspec.msgpack.Decoder(_TsOnly)
-_arr_batch = msgspec.msgpack.Decoder(_ArrBatch)
-_raw_batch = msgspec.msgpack.Decoder(_RawBatch)
-_map_event = msgspec.msgpack.Decoder(Union[tuple(_LENIENT_MAP.values())])
-_arr_event = msgspec.msgpack.Decoder(Union[tuple(_LENIENT_ARR.values())])
+# The batch structs are built at import (see _batch_struct): their fields are Any to mypy.
+_map_batch: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(_MapBatch)
+_arr_batch: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(_ArrBatch)
+_raw_batch: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(_RawBatch)
+_map_event: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(
+    Union[tuple(_LENIENT_MAP.values())]  # noqa: UP007 - a union built from a tuple
+)
+_arr_event: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(
+    Union[tuple(_LENIENT_ARR.values())]  # noqa: UP007 - a union built from a tuple
+)
 _any = msgspec.msgpack.Decoder()
 _tokens = msgspec.msgpack.Decoder(list[int])
 
@@ -138,10 +137,42 @@ class DecodedBatch(Struct, frozen=True, gc=False):
     """
 
     ts: float
-    events: list
+    events: list[Any]
     dp_rank: int | None
     layout: str
-    issues: dict
+    issues: dict[str, int]
+
+
+# What the applier reads of the decoded events (the structs above, built at import:
+# mypy sees their instances as Any). Fields a layout does not send are class
+# attributes holding their absent value, so every attribute exists in both layouts.
+class StoredEvent(Protocol):
+    """A decoded ``BlockStored`` (vllm_events.BLOCK_STORED; ``token_ids`` kept raw)."""
+
+    kind: int
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None
+    token_ids: Raw
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None
+    group_idx: int | None
+    kv_cache_spec_kind: str | None
+    locality: str | None
+    ownership: str | None
+
+
+class RemovedEvent(Protocol):
+    """A decoded ``BlockRemoved`` (vllm_events.BLOCK_REMOVED)."""
+
+    kind: int
+    block_hashes: list[Hash]
+    medium: str | None
+    group_idx: int | None
+    locality: str | None
+    ownership: str | None
 
 
 def decode_batch(payload: bytes) -> DecodedBatch:
@@ -163,14 +194,6 @@ def decode_batch(payload: bytes) -> DecodedBatch:
     except msgspec.DecodeError:
         pass
     return _decode_slow(payload)
-
-
-def peek_ts(payload: bytes) -> float | None:
-    """The batch timestamp alone (events are skipped, not decoded); None if unreadable."""
-    try:
-        return _ts_only.decode(payload).ts
-    except msgspec.DecodeError:
-        return None
 
 
 def _decode_slow(payload: bytes) -> DecodedBatch:
@@ -218,7 +241,7 @@ def _decode_slow(payload: bytes) -> DecodedBatch:
     return DecodedBatch(b.ts, events, b.data_parallel_rank, layout, issues)
 
 
-def _bump(d: dict, k: str) -> None:
+def _bump(d: dict[str, int], k: str) -> None:
     d[k] = d.get(k, 0) + 1
 
 
@@ -245,12 +268,12 @@ def raw_array_len(raw: Raw) -> int:
 
 def decode_tokens(raw: Raw) -> list[int]:
     """Decode a raw ``token_ids`` array (raises ``msgspec.DecodeError`` when it is not ints)."""
-    if memoryview(raw)[:1] == b"\xc0":
+    if memoryview(raw)[:1] == b"\xc0":  # type: ignore[comparison-overlap]  # compares contents
         return []
     return _tokens.decode(raw)
 
 
-_c_tokens = _core.tokens_from_msgpack if _core is not None else None
+_c_tokens: Callable[[Raw], bytes | None] | None = _core.tokens_from_msgpack if _core is not None else None
 
 
 def token_bytes(raw: Raw) -> bytes:
