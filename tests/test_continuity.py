@@ -195,3 +195,52 @@ def test_R_STR_7_soak_over_real_sockets(rig, seed):
         assert not w["stale"], w
         assert w["resident_blocks"].get("GPU", 0) == len(m.count), (w, len(m.count))
         assert [total(ix, p, f"e{k}") for p in P] == [m.prefix(h) for h in hashes]
+
+
+def test_R_STR_2_replay_abandoned_after_max_buffered_live_batches(rig):
+    """The replay is never answered while the engine keeps publishing: past
+    ``max_buffered`` live batches the replay is given up (stale, with the reason) rather
+    than buffering without bound (R-BAD-3), and the buffered batches still apply."""
+    pub = rig.pub(replay_endpoint=None)
+    man = ManualReplay(rig)
+    rec = Rec(pub, "e1")
+    ix = rig.indexer([EngineConfig(id="e1", endpoint=pub.live_endpoint, replay_endpoint=man.endpoint)],
+                     max_buffered=3, replay_timeout_s=30.0)
+    ready(ix)
+    rec.send(gpu(P[0]))
+    rec.send(gpu(P[1]), drop=True)
+    rec.send(gpu(P[2]))  # gap: replay asked, never answered
+    assert man.request()[1] == 0
+    for i in (3, 4, 5):
+        rec.send(gpu(P[i]))  # the third one over the bound of 3 buffered
+    wait_until(lambda: wi(ix, "e1")["stale"] and not wi(ix, "e1")["replaying"],
+               msg=lambda: f"replay abandoned: {wi(ix, 'e1')}")
+    w = wi(ix, "e1")
+    assert "more than 3 live batches arrived during replay" in w["stale_reason"], w
+    assert w["last_seq"] == 5 and w["replays_failed"] == 1
+    assert [total(ix, P[i], "e1") for i in range(6)] == [4, 0, 4, 4, 4, 4]
+
+
+@pytest.mark.parametrize("frames", [
+    [b"", b"x", b"y", b"z", b"w"],  # five frames: no reply layout has them
+    [b"", b"\x00\x01", b"payload"],  # a 2-byte seq frame
+], ids=["bad_frame_count", "bad_seq_length"])
+def test_R_DEC_3_malformed_replay_frames_are_dropped_and_counted(rig, frames):
+    """A replay reply the indexer cannot read costs that frame, counted per worker as
+    ``bad_replay_frame``; the rest of the answer still repairs the gap."""
+    pub = rig.pub(replay_endpoint=None)
+    man = ManualReplay(rig)
+    rec = Rec(pub, "e1")
+    ix = rig.indexer([EngineConfig(id="e1", endpoint=pub.live_endpoint, replay_endpoint=man.endpoint)])
+    ready(ix)
+    rec.send(gpu(P[0]))
+    rec.send(gpu(P[1]), drop=True)
+    rec.send(gpu(P[2]))
+    client, start = man.request()
+    man.sock.send_multipart([client] + frames)
+    man.answer(client, rec.log)
+    wait_until(lambda: wi(ix, "e1")["last_seq"] == 2 and not wi(ix, "e1")["replaying"],
+               msg=lambda: f"repaired: {wi(ix, 'e1')}")
+    w = wi(ix, "e1")
+    assert w["dropped"] == {"bad_replay_frame": 1} and not w["stale"], w
+    assert [total(ix, P[i], "e1") for i in range(3)] == [4, 4, 4]
