@@ -6,10 +6,19 @@ ingest) load pyzmq on first use, so an embedding that only needs
 ``PrefixIndex`` never imports it.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from .index import DEFAULT_CREDITS, PrefixIndex
 from .keys import KEY_SEED, block_keys, namespace_seed
 from .result import MatchResult, WorkerMatch
 from .wire import DecodeError, decode_batch
+
+if TYPE_CHECKING:  # loaded on first use by __getattr__ below
+    from .engines import EngineConfig
+    from .ingest import Indexer
+    from .producer.publisher import VllmPublisher
 
 __all__ = [
     "DEFAULT_CREDITS",
@@ -29,7 +38,7 @@ __all__ = [
 _LAZY = {"Indexer": "ingest", "EngineConfig": "engines", "VllmPublisher": "producer.publisher"}
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'indexer' has no attribute {name!r}")

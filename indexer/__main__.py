@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+from typing import Any, TextIO
 
 import msgspec
 
@@ -35,7 +36,7 @@ def _chain(tokens: list[int], salt: int) -> list[int]:
     return out
 
 
-def demo(out=sys.stdout) -> dict:
+def demo(out: TextIO = sys.stdout) -> dict[str, Any]:
     """Feed a small simulated fleet and print what a router would ask and get back."""
     rng = random.Random(7)
     system = [rng.randrange(1, 32000) for _ in range(BLOCK * 8)]  # shared system prompt
@@ -65,12 +66,13 @@ def demo(out=sys.stdout) -> dict:
         "unknown prompt": idx.match([9] * 256),
     }
     report = {name: r.to_dict() for name, r in results.items()}
-    report["stats"] = {k: v for k, v in idx.stats().items() if k in ("nodes", "resident_entries", "orphans", "workers", "events")}
+    report["stats"] = {k: v for k, v in idx.stats().items()
+                       if k in ("nodes", "resident_entries", "orphans", "workers", "events")}
     out.write(json.dumps(report, indent=2) + "\n")
     return report
 
 
-def decode(path: str, out=sys.stdout) -> int:
+def decode(path: str, out: TextIO = sys.stdout) -> int:
     try:
         with open(path, "rb") as f:
             data = f.read()

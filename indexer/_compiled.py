@@ -8,8 +8,9 @@ pure-Python twins, the reference the tests hold the compiled core to.
 from __future__ import annotations
 
 import os
+from types import ModuleType
 
-core = None
+core: ModuleType | None = None
 if os.environ.get("KVI_PURE_PYTHON", "") in ("", "0"):
     try:
         from . import _core as core

@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from .engines import EngineConfig
 from .ingest import Indexer
@@ -27,7 +28,7 @@ log = logging.getLogger("kv_indexer.discovery")
 def resolve_addresses(name: str) -> set[str]:
     """Every address ``name`` resolves to (A and AAAA records), as strings."""
     infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
-    return {info[4][0] for info in infos}
+    return {str(info[4][0]) for info in infos}
 
 
 class DnsDiscovery:
@@ -152,7 +153,7 @@ class DnsDiscovery:
             self._thread.join(timeout=5)
             self._thread = None
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "engines": sorted(self.known.values()),

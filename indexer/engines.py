@@ -13,6 +13,7 @@ here; nothing here imports either.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import msgspec
 
@@ -83,7 +84,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 check_endpoint(offset_endpoint(self.replay_endpoint, r), f"engine {self.id} replay_endpoint")
 
 
-def as_config(e: EngineConfig | dict) -> EngineConfig:
+def as_config(e: EngineConfig | dict[str, Any]) -> EngineConfig:
     """``e`` as an :class:`EngineConfig`; ValueError naming the bad field otherwise."""
     if isinstance(e, EngineConfig):
         return e

@@ -24,7 +24,7 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -98,7 +98,7 @@ def namespace_seed(lora_name: str | None, parts: Sequence[Any] | None) -> int:
     return _xxh3(_NS_PREFIX + packed, KEY_SEED)
 
 
-def _normalized_parts(entry: Any, lora_name: str | None) -> list | None:
+def _normalized_parts(entry: Any, lora_name: str | None) -> list[Any] | None:
     if entry is None:
         return None
     parts = list(entry) if isinstance(entry, (list, tuple)) else [entry]
@@ -160,7 +160,10 @@ def block_keys(
     return [_xxh3(buf[j * step : (j + 1) * step], seed[j]) for j in range(start, n)]
 
 
-_c_block_keys = _core.block_keys if _core is not None else None
+# (buf, block_size, seed, limit (-1: all), start): indexer/_core.pyi
+_c_block_keys: Callable[[bytes | bytearray, int, int | Sequence[int], int, int], list[int]] | None = (
+    _core.block_keys if _core is not None else None
+)
 
 
 def split_json_tokens(body: bytes) -> tuple[bytes, bytes] | None:
@@ -175,9 +178,9 @@ def query_extra_keys(
     n_blocks: int,
     cache_salt: str | None,
     extra_keys: Iterable[Any] | None,
-) -> list | None:
+) -> list[Any] | None:
     """vLLM-shaped per-block extra keys for a query: the salt rides on block 0."""
-    ek: list | None = list(extra_keys) if extra_keys is not None else None
+    ek: list[Any] | None = list(extra_keys) if extra_keys is not None else None
     if cache_salt is None:
         return ek
     ek = (ek or []) + [None] * max(0, n_blocks - len(ek or []))

@@ -4,6 +4,8 @@ counters kept up to date; it never walks a tree."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .removal import Removal
 from .state import _EVENT_NAMES, DEFAULT_GROUP_KINDS, _Model, _Worker
 
@@ -12,6 +14,9 @@ __all__ = ["Lifecycle"]
 
 class Lifecycle(Removal):
     """Worker lifecycle and reports."""
+
+    if TYPE_CHECKING:  # defined by query.Query, the next room of PrefixIndex
+        def _model(self, model: str | None) -> _Model: ...
 
     def _worker(self, engine: str, rank: int, model: str) -> _Worker:
         w = self._workers.get((engine, rank))
@@ -100,7 +105,7 @@ class Lifecycle(Removal):
                 w.refresh()
                 self._count("stale_cleared")
 
-    def workers(self) -> list[dict]:
+    def workers(self) -> list[dict[str, Any]]:
         """Per-worker freshness and sizes, sorted by engine then rank."""
         with self._lock:
             now = self._clock()
@@ -150,14 +155,14 @@ class Lifecycle(Removal):
                 return None
             return m.trees[m.default_groups()[0]].block_size
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Sizes and counters, JSON-able; reads counters only (no tree walk)."""
         with self._lock:
             names = self._tier_names
-            models = {}
+            models: dict[str, dict[str, Any]] = {}
             tot_nodes = tot_entries = tot_orphans = 0
             for name, m in sorted(self._models.items()):
-                groups = {}
+                groups: dict[str, dict[str, Any]] = {}
                 m_entries = m_orphans = 0
                 for g, tree in sorted(m.trees.items()):
                     groups[str(g)] = {

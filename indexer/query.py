@@ -6,8 +6,8 @@ come out in), never what the index holds (R-Q-4)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .keys import (
     KEY_SEED,
@@ -18,9 +18,18 @@ from .keys import (
 )
 from .lifecycle import Lifecycle
 from .result import MatchResult, WorkerMatch, _bits, gpu_answers
-from .route import route
+from .route import Load, route
 from .state import GPU, ModelRequiredError, _Model
 from .tree import Tree, walk
+
+if TYPE_CHECKING:
+    from .result import TierItems
+    from .tree import Node
+
+    # One group's answer for one worker: (((tier, blocks), ...), total blocks, weighted blocks).
+    _Answer = tuple[TierItems, int, float]
+    # A query's block keys at a block size, in chunks (see _LazyKeys).
+    _KeysFor = Callable[[int], Iterable[Sequence[int]]]
 
 __all__ = ["Query"]
 
@@ -59,7 +68,7 @@ class Query(Lifecycle):
             m = self._model(model)
             cache: dict[int, _LazyKeys] = {}
 
-            def keys_for(bs: int):
+            def keys_for(bs: int) -> Iterator[list[int]]:
                 ks = cache.get(bs)
                 if ks is None:
                     n = ntok // bs
@@ -74,7 +83,8 @@ class Query(Lifecycle):
             return self._match(m, keys_for, ntok)
 
     def route(self, token_ids: Sequence[int], *, model: str | None = "default", lora_name: str | None = None,
-              cache_salt: str | None = None, load=None, candidates=None, prefill_load_scale: float = 1.0) -> dict:
+              cache_salt: str | None = None, load: Mapping[str, Load] | None = None,
+              candidates: Iterable[str] | None = None, prefill_load_scale: float = 1.0) -> dict[str, Any]:
         """The best worker for a prompt: :meth:`match` weighed against ``load``
         (:func:`indexer.route.route`; the ``POST /v1/route`` body). Read-only."""
         res = self.match(token_ids, model=model, lora_name=lora_name, cache_salt=cache_salt)
@@ -93,7 +103,7 @@ class Query(Lifecycle):
             m = self._model(model)
             bs = m.trees[m.default_groups()[0]].block_size if m.trees else 0
 
-            def keys_for(b: int):
+            def keys_for(b: int) -> tuple[list[int], ...]:
                 return (keys,) if b == bs else ()
 
             return self._match(m, keys_for, len(keys) * bs)
@@ -113,7 +123,7 @@ class Query(Lifecycle):
             raise KeyError(f"unknown model {model!r}")
         return m
 
-    def _match(self, m: _Model, keys_for, ntok: int) -> MatchResult:
+    def _match(self, m: _Model, keys_for: _KeysFor, ntok: int) -> MatchResult:
         trees = m.trees
         if not trees:
             return MatchResult(m.name, None, 0, [], None)
@@ -134,7 +144,7 @@ class Query(Lifecycle):
         defaults = m.default_groups()
         head_bs = trees[defaults[0]].block_size
         # group -> {wid: (((tier name, blocks), ...), total blocks, weighted blocks)}
-        per_group: dict[int, dict] = {}
+        per_group: dict[int, dict[int, _Answer]] = {}
         for g, tree in trees.items():
             got = self._match_path(m, tree, keys_for(tree.block_size))
             if got:
@@ -150,11 +160,13 @@ class Query(Lifecycle):
         # tuple.__new__ skips NamedTuple's Python-level __new__ (one call per worker per query).
         tnew = tuple.__new__
         wm = WorkerMatch
+        r: _Answer | None  # one worker's answer in one group (both branches below)
         if len(per_group) == 1 and len(defaults) == 1 and defaults[0] in per_group:
             # The common shape: one attention group. Headline = that group.
             (g, got), = per_group.items()
             gname = str(g)
-            shared: dict[int, tuple] = {}  # answers are shared by workers at one depth
+            # answers are shared by workers at one depth
+            shared: dict[int, tuple[float, int, TierItems, Any, int]] = {}
             for wid, r in got.items():
                 w = workers.get(wid)
                 if w is None:
@@ -195,13 +207,17 @@ class Query(Lifecycle):
         best = out[0] if out and out[0].total_blocks > 0 else None
         return MatchResult(m.name, head_bs, qblocks, out, best)
 
-    def _headline(self, m: _Model, defaults: list, per_group: dict, head_bs: int) -> dict:
+    def _headline(
+        self, m: _Model, defaults: list[int], per_group: dict[int, dict[int, _Answer]], head_bs: int
+    ) -> dict[int, _Answer]:
         """R-APP-10 headline per worker: each figure is its minimum over the default groups.
 
         Figures are compared in tokens and given in blocks of the headline size:
         {wid: (((tier, blocks), ...), total blocks, weighted blocks)}.
         """
-        head: dict = {}
+        head: dict[int, tuple[dict[str, float], float, float]] = {}
+        total: float  # blocks, then scaled blocks
+        weighted: float
         for i, g in enumerate(defaults):
             got = per_group.get(g)
             if not got:
@@ -225,7 +241,7 @@ class Query(Lifecycle):
             for wid, (tiers, total, weighted) in head.items()
         }
 
-    def _match_path(self, m: _Model, tree: Tree, key_chunks) -> dict | None:
+    def _match_path(self, m: _Model, tree: Tree, key_chunks: Iterable[Sequence[int]]) -> dict[int, _Answer] | None:
         """Walk one group's tree along the keys and answer per worker (read-only).
 
         Returns ``{wid: (((tier, blocks), ...), total, weighted blocks)}``, or None
@@ -241,11 +257,11 @@ class Query(Lifecycle):
             stops.append((d, active))
         credits = self._credit_by_tid()
         cg = credits[GPU]
-        if not keep or all(nd.tiers is None for nd in path):
+        if not keep or all(nd.tiers is None for nd in path):  # type: ignore[union-attr]  # a list when keep
             if not stops:
                 return None
             # Workers that stop at one depth share one answer tuple.
-            out = {}
+            out: dict[int, _Answer] = {}
             for g, mask in stops:
                 r = ((("GPU", g),), g, g * cg)
                 for wid in _bits(mask):
@@ -253,9 +269,10 @@ class Query(Lifecycle):
             return out
         gpu = {wid: g for g, mask in stops for wid in _bits(mask)}
         names = self._tier_names
-        other = self._other_tiers(m, tree.group, path)
-        out: dict[int, tuple] = {}
+        other = self._other_tiers(m, tree.group, path)  # type: ignore[arg-type]  # a list when keep
+        out = {}
         chain = [self._tier_ids.get(t) for t in self.total_chain]
+        t: int | None  # a tier id (None: a chain tier not in use)
         wids = set(gpu)
         for per_w in other.values():
             wids.update(per_w)
@@ -287,13 +304,13 @@ class Query(Lifecycle):
                 out[wid] = (tuple(items), pos, weighted)
         return out
 
-    def _credit_by_tid(self) -> list:
+    def _credit_by_tid(self) -> list[float]:
         c = self._credits_cache
         if len(c) != len(self._tier_names):
             c = self._credits_cache = [self.credits.get(n, 0.0) for n in self._tier_names]
         return c
 
-    def _other_tiers(self, m: _Model, group: int, path: list) -> dict:
+    def _other_tiers(self, m: _Model, group: int, path: list[Node]) -> dict[int, dict[int, list[tuple[int, int]]]]:
         """Fully covered chunks per non-GPU tier and worker: {tid: {wid: [(start, end)]}}.
 
         A chunk ends at a block marked as a chunk end for the worker (R-APP-5); it
@@ -301,9 +318,9 @@ class Query(Lifecycle):
         when the worker holds every one of its blocks in that tier.
         """
         workers = m.workers
-        out: dict[int, dict] = {}
-        runs: dict[tuple, int] = {}  # (tid, wid) -> start depth of the current unbroken run
-        lasts: dict[tuple, int] = {}
+        out: dict[int, dict[int, list[tuple[int, int]]]] = {}
+        runs: dict[tuple[int, int], int] = {}  # (tid, wid) -> start depth of the current unbroken run
+        lasts: dict[tuple[int, int], int] = {}
         for d, node in enumerate(path, 1):
             tiers = node.tiers
             if tiers is None:
@@ -330,7 +347,7 @@ class Query(Lifecycle):
         return out
 
 
-_EMPTY: dict = {}
+_EMPTY: dict[Any, Any] = {}
 
 
 class _LazyKeys:
@@ -341,7 +358,7 @@ class _LazyKeys:
 
     __slots__ = ("buf", "block_size", "seed", "n", "done", "i")
 
-    def __init__(self, buf: bytes, block_size: int, seed, n: int) -> None:
+    def __init__(self, buf: bytes, block_size: int, seed: int | Sequence[int], n: int) -> None:
         self.buf = buf
         self.block_size = block_size
         self.seed = seed
@@ -349,7 +366,7 @@ class _LazyKeys:
         self.done: list[list[int]] = []
         self.i = 0
 
-    def chunks(self):
+    def chunks(self) -> Iterator[list[int]]:
         if self.done:
             yield from self.done
         i = self.i

@@ -4,9 +4,14 @@ nobody holds freed up the chain, and the node cap's evictions."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from .state import _WG, GPU, IndexState, _Model, _Worker
 from .tree import DEAD, Node, Tree, remove_gpu
+
+if TYPE_CHECKING:
+    from .vllm_events import Hash
+    from .wire import RemovedEvent, StoredEvent
 
 __all__ = ["Removal"]
 
@@ -14,7 +19,11 @@ __all__ = ["Removal"]
 class Removal(IndexState):
     """What takes residency away."""
 
-    def _on_remove(self, w: _Worker, ev) -> str:
+    if TYPE_CHECKING:  # defined by store.Store, the next room of PrefixIndex
+        def _tier(self, medium: object, ownership: object) -> int: ...
+        def _group(self, ev: StoredEvent | RemovedEvent) -> int: ...
+
+    def _on_remove(self, w: _Worker, ev: RemovedEvent) -> str:
         loc = ev.locality
         if loc is not None and loc.upper() == "REMOTE":
             return "remote_ignored"  # R-APP-11
@@ -25,7 +34,7 @@ class Removal(IndexState):
         wg = w.groups.get(group) if group >= 0 else None
         if wg is None:
             return "unknown_hash"
-        tree = self._models[w.model].trees.get(group)
+        tree: Tree = self._models[w.model].trees.get(group)  # type: ignore[assignment]  # wg exists: so does its tree
         wmap = wg.map
         if tid == GPU and remove_gpu is not None and tree.stamps is None:
             # The compiled loop: _remove_one and Tree.free_up for the GPU tier.
@@ -43,7 +52,7 @@ class Removal(IndexState):
             return "unknown_hash" if unknown == len(ev.block_hashes) else "applied_partial"
         return "applied"
 
-    def _remove_one(self, tree: Tree, wg: _WG, w: _Worker, tid: int, h, node: Node) -> bool:
+    def _remove_one(self, tree: Tree, wg: _WG, w: _Worker, tid: int, h: Hash, node: Node) -> bool:
         """Subtract one announcement of ``h`` in tier ``tid`` (R-APP-4); False if not held."""
         if node.parent is DEAD:
             del wg.map[h]
@@ -54,7 +63,8 @@ class Removal(IndexState):
             if not m & bit:
                 return False
         else:
-            tiers = node.tiers
+            # None only when m is 0, which returns just below.
+            tiers: dict[int, int] = node.tiers  # type: ignore[assignment]
             m = tiers.get(tid, 0) if tiers is not None else 0
             if not m & bit:
                 return False
@@ -129,7 +139,7 @@ class Removal(IndexState):
                 self._orphans -= sum(len(v) for v in wg.orphans.values())
                 wg.orphans.clear()
 
-    def _clear_node(self, node: Node, bit: int, wid: int, only: set | None, wg: _WG) -> None:
+    def _clear_node(self, node: Node, bit: int, wid: int, only: set[int] | None, wg: _WG) -> None:
         res = wg.res
         if (only is None or GPU in only) and node.gpu & bit:
             node.gpu ^= bit
@@ -158,7 +168,7 @@ class Removal(IndexState):
     def _cap(self, m: _Model, tree: Tree) -> None:
         """R-APP-9 node cap: evict least recently stored leaves with all their residency."""
         evicted = 0
-        while tree.nodes > self.max_nodes:
+        while tree.nodes > self.max_nodes:  # type: ignore[operator]  # capped: an int
             node = tree.oldest_leaf()
             if node is None:
                 break

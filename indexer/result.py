@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from msgspec import Struct
 
 from ._compiled import core as _core
 
 __all__ = ["MatchResult", "WorkerMatch", "gpu_answers"]
+
+# (stale, stale_reason, last_seq, last_apply): a worker's freshness, shared by its answers.
+Freshness = tuple[bool, str | None, int | None, float | None]
+# ((tier name, blocks), ...)
+TierItems = tuple[tuple[str, int], ...]
+# ((group, tier items, total blocks), ...)
+GroupItems = tuple[tuple[str, TierItems, int], ...]
+# (engine, dp_rank, freshness, position): one worker's row in a model's ``rows``.
+Row = tuple[str, int, Freshness, int]
+
+if TYPE_CHECKING:
+    # WorkerMatch's items, for the type checker; at runtime its base is plain tuple.
+    _WorkerTuple = tuple[float, int, str, int, TierItems, GroupItems, int, Freshness, float]
+else:
+    _WorkerTuple = tuple
 
 
 # The JSON body of ``POST /v1/match`` as msgspec structs: encoded in C, to exactly the
@@ -43,7 +59,7 @@ class MatchResponse(Struct, gc=False):
     best: BestOut | None
 
 
-class WorkerMatch(tuple):
+class WorkerMatch(_WorkerTuple):
     """One worker's answer (R-Q-2): blocks per tier and group, ``total``, score, freshness.
 
     ``tiers`` and ``total_blocks`` are the headline figures: the minimum over the
@@ -78,11 +94,11 @@ class WorkerMatch(tuple):
         return self[3]
 
     @property
-    def tier_items(self) -> tuple:
+    def tier_items(self) -> TierItems:
         return self[4]
 
     @property
-    def group_items(self) -> tuple:
+    def group_items(self) -> GroupItems:
         return self[5]
 
     @property
@@ -107,11 +123,11 @@ class WorkerMatch(tuple):
         return None if t is None else self[8] - t
 
     @property
-    def tiers(self) -> dict:
+    def tiers(self) -> dict[str, int]:
         return {name: b for name, b in self[4] if b}
 
     @property
-    def groups(self) -> dict:
+    def groups(self) -> dict[str, dict[str, int]]:
         out = {}
         for name, tiers, total in self[5]:
             d = {t: b for t, b in tiers if b}
@@ -119,7 +135,7 @@ class WorkerMatch(tuple):
             out[name] = d
         return out
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         stale, reason, last_seq, _ = self[7]
         return {
             "engine": self[2],
@@ -145,7 +161,7 @@ class MatchResult(NamedTuple):
     model: str
     block_size: int | None
     query_blocks: int
-    workers: list
+    workers: list[WorkerMatch]
     best: WorkerMatch | None
 
     def worker(self, engine: str, dp_rank: int = 0) -> WorkerMatch | None:
@@ -155,7 +171,7 @@ class MatchResult(NamedTuple):
                 return w
         return None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """Exactly the JSON body of ``POST /v1/match``."""
         b = self.best
         return {
@@ -171,8 +187,8 @@ class MatchResult(NamedTuple):
         (byte for byte the same JSON, built faster). Workers with the same answer share
         their ``tiers`` and ``groups`` dicts, built once: not for mutation."""
         b = self.best
-        memo: dict = {}  # (tier items, group items) -> (tiers, groups)
-        out = []
+        memo: dict[tuple[TierItems, GroupItems], tuple[dict[str, int], dict[str, dict[str, int]]]] = {}
+        out: list[WorkerMatchOut] = []
         append = out.append
         for w in self.workers:
             key = (w[4], w[5])
@@ -200,8 +216,9 @@ def _bits(mask: int) -> list[int]:
     return [i for i, c in enumerate(b) if c == "1"]
 
 
-def _py_gpu_answers(stops: list, rows: list, group: str, block_size: int, credit: float, stale_factor: float,
-                    now: float, cls: type = WorkerMatch) -> list:
+def _py_gpu_answers(stops: list[tuple[int, int]], rows: list[Row | None], group: str, block_size: int,
+                    credit: float, stale_factor: float, now: float,
+                    cls: type[WorkerMatch] = WorkerMatch) -> list[WorkerMatch]:
     """The ranked answers of a GPU-only match in one group (read-only).
 
     For each ``(depth, mask)`` of ``stops`` (where workers' GPU runs end) and each
@@ -210,7 +227,7 @@ def _py_gpu_answers(stops: list, rows: list, group: str, block_size: int, credit
     group items. In ranking order (tuple order, see :class:`WorkerMatch`): deepest
     stop first, each stop's workers by position (their ``(engine, dp_rank)`` order),
     sorted outright only when a stale worker or a negative credit can change that."""
-    out = []
+    out: list[WorkerMatch] = []
     tnew = tuple.__new__
     nrows = len(rows)
     need_sort = credit < 0
@@ -219,7 +236,8 @@ def _py_gpu_answers(stops: list, rows: list, group: str, block_size: int, credit
         if last is not None and g >= last:
             need_sort = True  # stops not in increasing depth: rank outright
         last = g
-        here = [rows[wid] for wid in _bits(mask) if wid < nrows and rows[wid] is not None]
+        # (mypy does not narrow rows[wid] by the condition)
+        here: list[Row] = [rows[wid] for wid in _bits(mask) if wid < nrows and rows[wid] is not None]  # type: ignore[misc]
         if not here:
             continue
         here.sort(key=_position)
@@ -238,8 +256,10 @@ def _py_gpu_answers(stops: list, rows: list, group: str, block_size: int, credit
     return out
 
 
-def _position(row: tuple) -> int:
+def _position(row: Row) -> int:
     return row[3]
 
 
-gpu_answers = _core.answers if _core is not None else _py_gpu_answers
+gpu_answers: Callable[
+    [list[tuple[int, int]], list[Row | None], str, int, float, float, float, type[WorkerMatch]], list[WorkerMatch]
+] = _core.answers if _core is not None else _py_gpu_answers

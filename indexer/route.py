@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from .result import MatchResult
 
@@ -29,7 +29,7 @@ def route(
     load: Mapping[str, Load] | None = None,
     candidates: Iterable[str] | None = None,
     prefill_load_scale: float = 1.0,
-) -> dict:
+) -> dict[str, Any]:
     """Rank the candidates by cost, lowest first; the ``/v1/route`` body.
 
     ``known`` is ``(engine, dp_rank, stale)`` of the model's workers
@@ -59,9 +59,9 @@ def route(
             ranks.setdefault(e, []).append(r)
         cands = []
         for c in candidates:
-            engine, slash, rank = c.rpartition("/")
-            if slash and rank.isdigit():
-                cands.append((engine, int(rank)))
+            engine, slash, rank_s = c.rpartition("/")
+            if slash and rank_s.isdigit():
+                cands.append((engine, int(rank_s)))
             else:
                 cands.extend((c, r) for r in ranks.get(c, [0]))
         cands = sorted(set(cands))

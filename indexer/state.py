@@ -14,9 +14,15 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
-from .tree import MAX_TIERS, Kids, Tree
+from .tree import MAX_TIERS, Kids, Node, Tree
+
+if TYPE_CHECKING:
+    from .result import Freshness, Row
+    from .vllm_events import Hash
+    from .wire import StoredEvent
 
 __all__ = ["IndexState", "DEFAULT_CREDITS", "DEFAULT_GROUP_KINDS", "ModelRequiredError"]
 
@@ -37,13 +43,14 @@ class _WG:
 
     def __init__(self) -> None:
         self.map = Kids()  # engine hash -> Node (R-APP-2 / R-APP-3 resolution)
-        self.orphans: dict = {}  # missing parent hash -> [pending store, ...]
+        # missing parent hash -> [pending (store event, tier id), ...]
+        self.orphans: dict[Hash, list[tuple[StoredEvent, int]]] = {}
         self.res = [0] * MAX_TIERS  # resident entries per tier id
         # tier id -> {chunk-end node: blocks in that chunk} (R-APP-5: the blocks
         # of one event form a chunk, whatever size each event has)
-        self.ends: dict[int, dict] = {}
+        self.ends: dict[int, dict[Node, int]] = {}
 
-    def mark_end(self, tiers: dict, tid: int, bit: int, node, nblocks: int) -> None:
+    def mark_end(self, tiers: dict[int, int], tid: int, bit: int, node: Node, nblocks: int) -> None:
         """Record ``node`` as the last block of an ``nblocks`` chunk in tier ``tid``."""
         tiers[-tid] = tiers.get(-tid, 0) | bit
         ends = self.ends.get(tid)
@@ -51,7 +58,7 @@ class _WG:
             ends = self.ends[tid] = {}
         ends[node] = nblocks
 
-    def clear_end(self, tiers: dict, tid: int, bit: int, node) -> None:
+    def clear_end(self, tiers: dict[int, int], tid: int, bit: int, node: Node) -> None:
         """Forget ``node`` as a chunk end of this worker in tier ``tid`` (if it was one)."""
         e = tiers.get(-tid, 0)
         if e & bit:
@@ -69,7 +76,7 @@ class _Worker:
         "last_apply", "stale", "stale_reason", "dropped", "batches", "restarts", "gaps", "fresh", "rows", "pos",
     )
 
-    def __init__(self, wid: int, engine: str, dp_rank: int, model: str, rows: list) -> None:
+    def __init__(self, wid: int, engine: str, dp_rank: int, model: str, rows: list[Row | None]) -> None:
         self.wid = wid
         self.bit = 1 << wid
         self.engine = engine
@@ -94,7 +101,7 @@ class _Worker:
     def refresh(self) -> None:
         """Snapshot the freshness fields a query reports (one tuple, shared by answers)
         into ``fresh`` and the model's row of this worker."""
-        self.fresh = (self.stale, self.stale_reason, self.last_seq, self.last_apply)
+        self.fresh: Freshness = (self.stale, self.stale_reason, self.last_seq, self.last_apply)
         self.rows[self.wid] = (self.engine, self.dp_rank, self.fresh, self.pos)
 
 
@@ -108,7 +115,7 @@ class _Model:
         self.workers: dict[int, _Worker] = {}
         # wid -> (engine, dp_rank, freshness, position) or None: what a query's answers
         # need of each worker, in one list the compiled answers() reads by index.
-        self.rows: list = []
+        self.rows: list[Row | None] = []
         # Whether every worker's position is its place in (engine, dp_rank) order: a
         # new worker clears it, the next query ranks again (a leaving one keeps it).
         self.ranked = True
@@ -140,7 +147,7 @@ class _Model:
 _EVENT_NAMES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 
 
-def _engine_rank(w: _Worker) -> tuple:
+def _engine_rank(w: _Worker) -> tuple[str, int]:
     return w.engine, w.dp_rank
 
 
@@ -165,7 +172,7 @@ class IndexState:
         max_dp_rank: int = 1023,
         max_groups: int = 64,
         max_tiers: int = MAX_TIERS,
-        clock=_now,
+        clock: Callable[[], float] = _now,
     ) -> None:
         self.credits = {k.upper(): float(v) for k, v in (DEFAULT_CREDITS if credits is None else credits).items()}
         self.total_chain = tuple(t.upper() for t in total_chain)
@@ -182,7 +189,7 @@ class IndexState:
         # batch when this is not empty, so a query waits for one batch, not for the
         # interpreter's 5 ms switch interval. A deque because append/pop are atomic
         # under the GIL, where `+= 1` from several query threads could drift.
-        self.readers_waiting: deque = deque()
+        self.readers_waiting: deque[None] = deque()
         self._models: dict[str, _Model] = {}
         self._workers: dict[tuple[str, int], _Worker] = {}
         self._free_wids: list[int] = []
@@ -190,8 +197,9 @@ class IndexState:
         # Tier names <-> ids; GPU is 0. The cache maps raw (medium, ownership) to an id.
         self._tier_names: list[str] = ["GPU"]
         self._tier_ids: dict[str, int] = {"GPU": 0}
-        self._tier_cache: dict = {None: 0}
-        self._orphan_queue: deque = deque()  # (t, wg, parent_hash, entry) in arrival order
+        self._tier_cache: dict[Any, int] = {None: 0}  # medium or (medium, ownership) -> tier id
+        # (t, wg, parent_hash, entry) in arrival order
+        self._orphan_queue: deque[tuple[float, _WG, Hash, tuple[StoredEvent, int]]] = deque()
         self._orphans = 0
         self._counters: dict[str, int] = {}
         # {event type: {outcome: n}}; index 3 collects what the decoder ignored.

@@ -4,6 +4,9 @@ removals and the worker lifecycle. The only writer of the trees with
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
 import msgspec
 
 from .keys import KEY_SEED, block_keys, seeds_for_blocks
@@ -12,6 +15,10 @@ from .sequencer import DUPLICATE, GAP, NEXT, classify
 from .state import _WG, GPU, _Worker
 from .tree import DEAD, Node, Tree, dup_add, insert_gpu
 from .wire import REMOVED, STORED, DecodeError, decode_batch, raw_array_len, token_bytes
+
+if TYPE_CHECKING:
+    from .vllm_events import Hash
+    from .wire import RemovedEvent, StoredEvent
 
 __all__ = ["Store"]
 
@@ -71,7 +78,7 @@ class Store(Lifecycle):
         self._count("batches_applied")
         return "applied", batch.ts
 
-    def _tier(self, medium, ownership) -> int:
+    def _tier(self, medium: object, ownership: object) -> int:
         """Tier id of an event (contract §1 Tier); -1 once ``max_tiers`` are in use."""
         ck = medium if ownership is None else (medium, ownership)
         tid = self._tier_cache.get(ck)
@@ -93,7 +100,7 @@ class Store(Lifecycle):
             self._tier_cache[ck] = tid
         return tid
 
-    def _group(self, ev) -> int:
+    def _group(self, ev: StoredEvent | RemovedEvent) -> int:
         g = ev.group_idx
         if g is None:
             return 0
@@ -101,7 +108,7 @@ class Store(Lifecycle):
             return -1
         return g
 
-    def _on_store(self, w: _Worker, ev) -> str:
+    def _on_store(self, w: _Worker, ev: StoredEvent) -> str:
         loc = ev.locality
         if loc is not None and loc.upper() == "REMOTE":
             return "remote_ignored"  # R-APP-11
@@ -133,6 +140,7 @@ class Store(Lifecycle):
         if wg is None:
             wg = w.groups[group] = _WG()
         ph = ev.parent_block_hash
+        parent: Node | None
         if ph is None:
             parent = tree.root
         else:
@@ -142,11 +150,11 @@ class Store(Lifecycle):
         outcome = self._insert(tree, wg, w, tid, parent, ev)
         if wg.orphans and outcome.startswith("applied"):
             self._adopt(tree, wg, w, hashes)
-        if tree.stamps is not None and tree.nodes > self.max_nodes:
+        if tree.stamps is not None and tree.nodes > self.max_nodes:  # type: ignore[operator]  # capped: an int
             self._cap(m, tree)
         return outcome
 
-    def _insert(self, tree: Tree, wg: _WG, w: _Worker, tid: int, parent: Node, ev) -> str:
+    def _insert(self, tree: Tree, wg: _WG, w: _Worker, tid: int, parent: Node, ev: StoredEvent) -> str:
         """Attach the blocks of one rich store under ``parent`` and add residency.
 
         Known hashes win (R-APP-2): a hash the worker already maps keeps its node,
@@ -206,12 +214,12 @@ class Store(Lifecycle):
             parent = node
         if tid != GPU:
             # R-APP-5: the blocks of one event form a chunk; mark its last block.
-            wg.mark_end(parent.tiers, tid, bit, parent, len(hashes))
+            wg.mark_end(parent.tiers, tid, bit, parent, len(hashes))  # type: ignore[arg-type]  # set above
             self._models[w.model].tiered = True
         wg.res[tid] += new
         return "applied" if new == len(hashes) else "applied_with_duplicates"
 
-    def _rollback(self, tree, wg, w, tid, hashes, upto) -> None:
+    def _rollback(self, tree: Tree, wg: _WG, w: _Worker, tid: int, hashes: list[Hash], upto: int) -> None:
         # Tokens that do not decode or exceed uint32 (R-BAD-3): undo the blocks of
         # this event already attached through known hashes, so the event is all or
         # nothing.
@@ -221,7 +229,7 @@ class Store(Lifecycle):
                 self._remove_one(tree, wg, w, tid, h, node)
 
     @staticmethod
-    def _event_keys(ev, block_size: int, n: int):
+    def _event_keys(ev: StoredEvent, block_size: int, n: int) -> list[int] | None:
         try:
             buf = token_bytes(ev.token_ids)
         except (msgspec.DecodeError, OverflowError, TypeError, ValueError):
@@ -231,7 +239,7 @@ class Store(Lifecycle):
         seed = KEY_SEED if (not lora and not extra) else seeds_for_blocks(n, lora, extra)
         return block_keys(buf, block_size, seed)
 
-    def _on_placeholder(self, w: _Worker, ev, tid: int, group: int) -> str:
+    def _on_placeholder(self, w: _Worker, ev: StoredEvent, tid: int, group: int) -> str:
         """R-APP-6: residency on nodes the worker already maps by hash; never a new node."""
         wg = w.groups.get(group)
         if wg is None:
@@ -275,7 +283,7 @@ class Store(Lifecycle):
 
     # ---------------------------------------------------------------- orphans
 
-    def _orphan(self, wg: _WG, parent_hash, ev, tid: int) -> str:
+    def _orphan(self, wg: _WG, parent_hash: Hash, ev: StoredEvent, tid: int) -> str:
         """R-APP-3: buffer a store whose parent is unknown, keyed by that parent."""
         entry = (ev, tid)
         lst = wg.orphans.get(parent_hash)
@@ -289,7 +297,7 @@ class Store(Lifecycle):
             self._drop_oldest_orphan("orphan_overflow")
         return "orphaned"
 
-    def _adopt(self, tree: Tree, wg: _WG, w: _Worker, hashes) -> None:
+    def _adopt(self, tree: Tree, wg: _WG, w: _Worker, hashes: Iterable[Hash]) -> None:
         """Attach buffered children of the hashes just stored, then theirs (iterative)."""
         stack = list(hashes)
         orphans = wg.orphans

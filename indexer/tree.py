@@ -29,7 +29,8 @@ module is not built and the reference the tests hold it to.
 from __future__ import annotations
 
 import heapq
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from msgspec import Struct
 
@@ -61,7 +62,7 @@ class _PyNode(Struct, eq=False, gc=False):
     dup: Any = None
 
 
-def dup_add(node, dupkey: int) -> None:
+def dup_add(node: Node, dupkey: int) -> None:
     """Count one more announcement of a block its worker already holds (R-APP-4):
     ``dupkey`` is ``(wid << 5) | tier id``."""
     d = node.dup
@@ -71,7 +72,9 @@ def dup_add(node, dupkey: int) -> None:
         d[dupkey] = d.get(dupkey, 0) + 1
 
 
-def _py_insert_gpu(wmap, parent, hashes: list, keys: list, bit: int, dupkey: int):
+def _py_insert_gpu(
+    wmap: Kids, parent: Node, hashes: list[Any], keys: list[int], bit: int, dupkey: int
+) -> tuple[Node, int, int]:
     """Attach a GPU store's blocks under ``parent`` for one worker.
 
     A hash the worker already maps keeps its node (R-APP-2); a new block reuses
@@ -82,6 +85,7 @@ def _py_insert_gpu(wmap, parent, hashes: list, keys: list, bit: int, dupkey: int
     """
     get = wmap.get
     created = added = 0
+    kids: Any  # None, a Node or a Kids map, told apart by __class__ (which mypy cannot narrow)
     for h, k in zip(hashes, keys):
         node = get(h)
         if node is None or node.parent is DEAD:
@@ -115,7 +119,9 @@ def _py_insert_gpu(wmap, parent, hashes: list, keys: list, bit: int, dupkey: int
     return parent, created, added + created
 
 
-def _py_walk(node, chunks, keep: bool):
+def _py_walk(
+    node: Node, chunks: Iterable[Sequence[int]], keep: bool
+) -> tuple[int, list[tuple[int, int]], int, list[Node] | None]:
     """Follow a query's block keys down from ``node`` while a child matches.
 
     ``chunks`` is an iterable of key lists (hashed lazily by the caller). Returns
@@ -124,17 +130,18 @@ def _py_walk(node, chunks, keep: bool):
     mask)`` where runs end. Without ``keep`` the walk also stops when no worker is
     left; with it, ``path`` lists the nodes passed. Read-only.
     """
-    stops: list = []
-    path: list | None = [] if keep else None
+    stops: list[tuple[int, int]] = []
+    path: list[Node] | None = [] if keep else None
     active = -1
     d = 0
+    kids: Any  # None, a Node or a Kids map, told apart by __class__ (which mypy cannot narrow)
     for chunk in chunks:
         for k in chunk:
             kids = node.kids
             if kids is None:
                 break
             if kids.__class__ is Kids:
-                node = kids.get(k)
+                node = kids.get(k)  # type: ignore[assignment]  # None ends the walk just below
                 if node is None:
                     break
             elif kids.key == k:
@@ -142,7 +149,7 @@ def _py_walk(node, chunks, keep: bool):
             else:
                 break
             if keep:
-                path.append(node)
+                path.append(node)  # type: ignore[union-attr]  # path is a list whenever keep
             elif not active:
                 break
             nm = active & node.gpu
@@ -159,7 +166,14 @@ def _py_walk(node, chunks, keep: bool):
 
 # Freed nodes point at DEAD: a worker's hash map may still name a node that the
 # node cap evicted; lookups treat such a node as absent and drop the mapping.
-if _core is not None:  # see _compiled.py
+if TYPE_CHECKING:
+    # One name each for the type checker: the compiled core's (indexer/_core.pyi);
+    # the pure-Python twins have the same layout and signatures.
+    from ._core import DEAD, Node, _Hashes, insert_gpu, walk
+    from ._core import U64Map as Kids
+
+    remove_gpu: Callable[[Kids, Node, _Hashes, int, int], tuple[int, int, int]] | None
+elif _core is not None:  # see _compiled.py
     Node = _core.Node
     Kids = _core.U64Map  # a node's children when it has several: key -> node
     DEAD = _core.DEAD
@@ -190,21 +204,22 @@ class Tree:
         # (stamp, id, node) over nodes that were leaves when pushed. Entries go
         # stale (the node got a child, was stored again or freed) and are skipped
         # when popped; a node that becomes a leaf again is pushed again.
-        self.stamps: dict | None = {} if capped else None
-        self.leaves: list = []
+        self.stamps: dict[Node, int] | None = {} if capped else None
+        self.leaves: list[tuple[int, int, Node]] = []
         self.clock = 0
 
     def touch(self, node: Node) -> None:
         """Record that ``node`` was just stored (capped trees only)."""
         self.clock += 1
-        self.stamps[node] = self.clock
+        self.stamps[node] = self.clock  # type: ignore[index]  # capped: stamps is a dict
         if node.kids is None:
             heapq.heappush(self.leaves, (self.clock, id(node), node))
-        if len(self.leaves) > 4 * len(self.stamps) + 64:
+        if len(self.leaves) > 4 * len(self.stamps) + 64:  # type: ignore[arg-type]  # capped: a dict
             self._rebuild_leaves()
 
     def _rebuild_leaves(self) -> None:
         stamps = self.stamps
+        assert stamps is not None  # capped trees only
         self.leaves = [(st, id(n), n) for n, st in stamps.items() if n.kids is None]
         heapq.heapify(self.leaves)
 
@@ -212,6 +227,7 @@ class Tree:
         """Pop the least recently stored leaf (capped trees only); None when there is none."""
         leaves = self.leaves
         stamps = self.stamps
+        assert stamps is not None  # capped trees only
         while leaves:
             st, _, node = heapq.heappop(leaves)
             if node.kids is None and node.parent is not DEAD and stamps.get(node) == st:
@@ -221,6 +237,7 @@ class Tree:
     def clear(self) -> None:
         """Unlink every node (iteratively) so reference counting frees them all."""
         stack = [self.root]
+        kids: Any  # None, a Node or a Kids map, told apart by __class__ (which mypy cannot narrow)
         while stack:
             node = stack.pop()
             kids = node.kids
@@ -238,19 +255,19 @@ class Tree:
             self.stamps.clear()
             self.leaves.clear()
 
-    def child(self, parent: Node, key):
+    def child(self, parent: Node, key: int) -> Node | None:
         """The child of ``parent`` keyed ``key``, or None (read-only)."""
-        kids = parent.kids
+        kids: Any = parent.kids  # None, a Node or a Kids map (see _py_insert_gpu)
         if kids is None:
             return None
         if kids.__class__ is Kids:
             return kids.get(key)
         return kids if kids.key == key else None
 
-    def add_child(self, parent: Node, key) -> Node:
+    def add_child(self, parent: Node, key: int) -> Node:
         """Create and link a new child of ``parent``; the caller checked it is absent."""
         node = Node(key, parent)
-        kids = parent.kids
+        kids: Any = parent.kids  # None, a Node or a Kids map (see _py_insert_gpu)
         if kids is None:
             parent.kids = node
         elif kids.__class__ is Kids:
@@ -267,6 +284,7 @@ class Tree:
         """
         root = self.root
         stamps = self.stamps
+        kids: Any  # None, a Node or a Kids map (see _py_insert_gpu)
         while node is not root and node.kids is None and not node.gpu and node.tiers is None:
             parent = node.parent
             if parent is DEAD or parent is None:

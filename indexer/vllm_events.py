@@ -56,7 +56,7 @@ class Field(NamedTuple):
     name: str
     type: Any
     default: Any = REQUIRED
-    since: tuple = (0, 23)
+    since: tuple[int, ...] = (0, 23)
     absent: Any = None
     decoded: Any = None
     mirror: Any = ...
@@ -67,7 +67,7 @@ class Event(NamedTuple):
 
     tag: str
     kind: int
-    fields: tuple
+    fields: tuple[Field, ...]
 
 
 BLOCK_STORED = Event("BlockStored", STORED, (
@@ -110,12 +110,12 @@ BATCH = (
 )
 
 
-def release(version: str) -> tuple:
+def release(version: str) -> tuple[int, ...]:
     """``"0.24"`` -> ``(0, 24)``."""
     return tuple(int(p) for p in version.split("."))
 
 
-def sent_by(event: Event, version: tuple | None = None) -> tuple:
+def sent_by(event: Event, version: tuple[int, ...] | None = None) -> tuple[Field, ...]:
     """The fields of ``event`` that release ``version`` sends (None: every release)."""
     if version is None:
         return event.fields
