@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -30,7 +30,7 @@ from .engines import EngineConfig, as_config, offset_endpoint
 from .index import PrefixIndex
 from .result import MatchResult
 from .sequencer import Stream
-from .transport import ZmqTransport
+from .transport import Sub, ZmqTransport
 
 __all__ = ["EngineConfig", "Indexer"]
 
@@ -43,7 +43,9 @@ class _Sub(Stream):
                  "connected", "messages", "connects")
 
     def __init__(self, cfg: EngineConfig, rank: int, sink: _Sink, ingest: Indexer) -> None:
-        super().__init__(sink, max_buffered=ingest.max_buffered, replay_timeout_s=ingest.replay_timeout_s)
+        # _Sink's methods take the _Sub that calls them (a Stream passes itself), not any Stream.
+        super().__init__(sink, max_buffered=ingest.max_buffered,  # type: ignore[arg-type]
+                         replay_timeout_s=ingest.replay_timeout_s)
         self.engine = cfg.id
         self.rank = rank
         self.model = cfg.model
@@ -51,7 +53,9 @@ class _Sub(Stream):
         self.endpoint = offset_endpoint(cfg.endpoint, off)
         self.replay_endpoint = offset_endpoint(cfg.replay_endpoint, off) if cfg.replay_endpoint else None
         self.topic = cfg.topic.encode()
-        self.sock = self.mon = self.dealer = None
+        self.sock: zmq.Socket[bytes] | None = None
+        self.mon: zmq.Socket[bytes] | None = None
+        self.dealer: zmq.Socket[bytes] | None = None
         self.connected = False
         self.messages = 0
         self.connects = 0  # live-socket connects seen by the monitor (1 = never reconnected)
@@ -129,7 +133,7 @@ class Indexer(ZmqTransport):
 
     def __init__(
         self,
-        engines: Iterable[EngineConfig | dict] = (),
+        engines: Iterable[EngineConfig | dict[str, Any]] = (),
         *,
         index: PrefixIndex | None = None,
         replay_timeout_s: float = 5.0,
@@ -138,10 +142,10 @@ class Indexer(ZmqTransport):
         max_workers: int = 2048,
         reconnect_ivl_ms: int = 100,
         reconnect_ivl_max_ms: int = 5_000,
-        context: zmq.Context | None = None,
+        context: zmq.Context[Any] | None = None,
         **index_options: Any,
     ) -> None:
-        self.index = index if index is not None else PrefixIndex(**index_options)
+        self.index: PrefixIndex = index if index is not None else PrefixIndex(**index_options)
         self.replay_timeout_s = float(replay_timeout_s)
         self.max_buffered = int(max_buffered)
         self.rcvhwm = int(rcvhwm)
@@ -154,12 +158,12 @@ class Indexer(ZmqTransport):
         self._ctx = context
         self._engines: dict[tuple[str, int], EngineConfig] = {}  # (id, dp_rank_start)
         self._subs: dict[tuple[str, int], _Sub] = {}
-        self._cmds: queue.Queue = queue.Queue()
+        self._cmds: queue.Queue[tuple[str, Any, threading.Event, list[Any]]] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._running = threading.Event()
         self._wake_addr = f"inproc://kvidx-wake-{id(self)}"
-        self._wake_tx = None
-        self._replaying: set = set()
+        self._wake_tx: zmq.Socket[bytes] | None = None
+        self._replaying: set[Sub] = set()
         self._sink = _Sink(self)
         self.error: str | None = None  # set if the ingest thread died (see ``running``)
         for e in engines:
@@ -215,10 +219,10 @@ class Indexer(ZmqTransport):
         self.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def add_engine(self, engine: EngineConfig | dict | None = None, **fields: Any) -> EngineConfig:
+    def add_engine(self, engine: EngineConfig | dict[str, Any] | None = None, **fields: Any) -> EngineConfig:
         """Subscribe to one more engine (all its DP ranks).
 
         Raises
@@ -227,12 +231,12 @@ class Indexer(ZmqTransport):
             When the id is taken by a different configuration, or a field is bad.
         """
         cfg = as_config(engine if engine is not None else fields)
-        return self._call("add", cfg)
+        return cast(EngineConfig, self._call("add", cfg))
 
     def remove_engine(self, engine_id: str, dp_rank: int | None = None) -> bool:
         """Unsubscribe from an engine and drop its workers' residency (R-STR-6): all of
         them, or only the config covering ``dp_rank``. Returns False when unknown."""
-        return self._call("remove", (engine_id, dp_rank))
+        return cast(bool, self._call("remove", (engine_id, dp_rank)))
 
     def resync(self, engine_id: str) -> None:
         """Drop an engine's state and replay each worker from seq 0 (recovers stale workers
@@ -249,15 +253,15 @@ class Indexer(ZmqTransport):
     def match_by_keys(self, keys: Sequence[int], **kw: Any) -> MatchResult:
         return self.index.match_by_keys(keys, **kw)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         return self.index.stats()
 
-    def workers(self) -> list[dict]:
+    def workers(self) -> list[dict[str, Any]]:
         """Per-worker status: the index's freshness, sizes and drop counters plus the
         transport's view (connected, replaying, replays done and failed)."""
         by_key = {(w["engine"], w["dp_rank"]): w for w in self.index.workers()}
         subs = dict(list(self._subs.items()))  # one atomic copy under the GIL
-        out = []
+        out: list[dict[str, Any]] = []
         for key in sorted(set(by_key) | set(subs)):
             w = dict(by_key.get(key) or {"engine": key[0], "dp_rank": key[1], "stale": False,
                                          "stale_reason": None, "last_seq": None, "dropped": {}})
@@ -279,15 +283,15 @@ class Indexer(ZmqTransport):
 
     # ---------------------------------------------------------- command path
 
-    def _call(self, op: str, arg: Any = None):
+    def _call(self, op: str, arg: Any = None) -> Any:
         """Run a command on the ingest thread (or inline when it is not running)."""
         if self._thread is None or threading.current_thread() is self._thread:
             return self._do(op, arg)
         done = threading.Event()
-        box: list = []
+        box: list[Any] = []
         self._cmds.put((op, arg, done, box))
         try:
-            self._wake_tx.send(b"")
+            self._wake_tx.send(b"")  # type: ignore[union-attr]  # set while the thread runs
         except zmq.Again:
             raise TimeoutError(f"ingest thread did not take {op!r}") from None
         deadline = time.monotonic() + 10
@@ -300,7 +304,7 @@ class Indexer(ZmqTransport):
             raise box[0]
         return box[0] if box else None
 
-    def _do(self, op: str, arg: Any):
+    def _do(self, op: str, arg: Any) -> Any:
         if op == "halt":
             self._running.clear()
             return None

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import zmq
@@ -60,11 +62,11 @@ class ZmqTransport:
     context, subscriptions and command queue)."""
 
     index: Any
-    _ctx: zmq.Context
-    _subs: dict
-    _cmds: queue.Queue
-    _running: Any
-    _replaying: set
+    _ctx: zmq.Context[Any]
+    _subs: Mapping[tuple[str, int], Sub]
+    _cmds: queue.Queue[tuple[str, Any, threading.Event, list[Any]]]  # (op, arg, done, box)
+    _running: threading.Event
+    _replaying: set[Sub]
     rcvhwm: int
     reconnect_ivl_ms: int
     reconnect_ivl_max_ms: int
@@ -87,7 +89,7 @@ class ZmqTransport:
             s.close(0)
             self.index.mark_stale(sub.engine, sub.rank, f"cannot open a socket for {sub.endpoint}: {e}")
 
-    def _subscribe(self, sub: Sub, s) -> None:
+    def _subscribe(self, sub: Sub, s: zmq.Socket[bytes]) -> None:
         s.setsockopt(zmq.RCVHWM, self.rcvhwm)
         s.setsockopt(zmq.RECONNECT_IVL, self.reconnect_ivl_ms)
         s.setsockopt(zmq.RECONNECT_IVL_MAX, self.reconnect_ivl_max_ms)
@@ -151,9 +153,9 @@ class ZmqTransport:
 
     # ------------------------------------------------------------ the loop
 
-    def _run(self, wake_rx) -> None:
+    def _run(self, wake_rx: zmq.Socket[bytes]) -> None:
         self._poller = zmq.Poller()
-        self._owner: dict = {}
+        self._owner: dict[zmq.Socket[bytes], tuple[Sub, str]] = {}  # socket -> (sub, "live" | "mon" | "replay")
         self._poller.register(wake_rx, zmq.POLLIN)
         for sub in self._subs.values():
             self._open(sub)
@@ -194,7 +196,7 @@ class ZmqTransport:
                 sub.connected = False
             wake_rx.close(0)
 
-    def _drain_commands(self, wake_rx) -> None:
+    def _drain_commands(self, wake_rx: zmq.Socket[bytes]) -> None:
         while True:
             try:
                 wake_rx.recv(zmq.NOBLOCK)
@@ -211,7 +213,7 @@ class ZmqTransport:
                 box.append(e)
             done.set()
 
-    def _drain_live(self, sub: Sub, sock, budget: int = 64) -> None:
+    def _drain_live(self, sub: Sub, sock: zmq.Socket[bytes], budget: int = 64) -> None:
         # A bounded number per wake-up so one busy engine cannot starve the others.
         recv = sock.recv
         for _ in range(budget):
@@ -240,7 +242,7 @@ class ZmqTransport:
             else:
                 sub.live(seq, frames[2])
 
-    def _drain_monitor(self, sub: Sub, sock) -> None:
+    def _drain_monitor(self, sub: Sub, sock: zmq.Socket[bytes]) -> None:
         while True:
             try:
                 msg = sock.recv_multipart(zmq.NOBLOCK)
@@ -252,7 +254,7 @@ class ZmqTransport:
                 sub.connects += 1
                 sub.reconnected()  # R-STR-7: what follows must prove its continuity
 
-    def _drain_replay(self, sub: Sub, sock) -> None:
+    def _drain_replay(self, sub: Sub, sock: zmq.Socket[bytes]) -> None:
         while True:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)

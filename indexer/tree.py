@@ -219,18 +219,16 @@ class Tree:
 
     def _rebuild_leaves(self) -> None:
         stamps = self.stamps
-        assert stamps is not None  # capped trees only
-        self.leaves = [(st, id(n), n) for n, st in stamps.items() if n.kids is None]
+        self.leaves = [(st, id(n), n) for n, st in stamps.items() if n.kids is None]  # type: ignore[union-attr]  # capped
         heapq.heapify(self.leaves)
 
     def oldest_leaf(self) -> Node | None:
         """Pop the least recently stored leaf (capped trees only); None when there is none."""
         leaves = self.leaves
         stamps = self.stamps
-        assert stamps is not None  # capped trees only
         while leaves:
             st, _, node = heapq.heappop(leaves)
-            if node.kids is None and node.parent is not DEAD and stamps.get(node) == st:
+            if node.kids is None and node.parent is not DEAD and stamps.get(node) == st:  # type: ignore[union-attr]  # capped
                 return node
         return None
 
