@@ -14,7 +14,9 @@ Users can feed their own routers with them; nothing here is used by the index.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from operator import attrgetter
+from typing import Any
 
 import msgspec
 
@@ -26,6 +28,8 @@ from ..vllm_events import (
     EVENTS,
     MAP_LAYOUT_SINCE,
     REQUIRED,
+    Event,
+    Field,
     release,
     sent_by,
 )
@@ -38,10 +42,10 @@ __all__ = ["Stored", "Removed", "Cleared", "encode_batch", "VERSIONS"]
 VERSIONS = ("0.23", "0.24", "0.33")
 
 
-def _mirror(name: str, ev, doc: str) -> type:
+def _mirror(name: str, ev: Event, doc: str) -> type[msgspec.Struct]:
     """The producer-facing event: every field of the newest release, in wire order,
     each with a default but ``block_hashes`` (``mirror``, else the decoder's absent value)."""
-    spec: list = []
+    spec: list[tuple[Any, ...]] = []
     for f in ev.fields:
         default = f.absent if f.mirror is ... else f.mirror
         spec.append((f.name, f.type) if default is REQUIRED else (f.name, f.type, default))
@@ -58,7 +62,7 @@ Cleared = _mirror("Cleared", ALL_BLOCKS_CLEARED, "An ``AllBlocksCleared``.")
 # (the class name, under "type"), plus ``array_like`` up to 0.23.
 
 
-def _vllm_spec(fields) -> list:
+def _vllm_spec(fields: Iterable[Field]) -> list[tuple[Any, ...]]:
     return [(f.name, f.type) if f.default is REQUIRED else (f.name, f.type, f.default) for f in fields]
 
 
@@ -66,7 +70,7 @@ _EventBatch = msgspec.defstruct("_EventBatch", _vllm_spec(BATCH), module=__name_
                                 omit_defaults=True, gc=False)
 
 
-def _vllm_struct(ev, version: str) -> type:
+def _vllm_struct(ev: Event, version: str) -> type[msgspec.Struct]:
     """vLLM ``version``'s struct for event ``ev`` (the fields that release sends)."""
     rel = release(version)
     name = ev.tag if version == VERSIONS[-1] else f"_{ev.tag}_{version.replace('.', '_')}"
@@ -74,24 +78,28 @@ def _vllm_struct(ev, version: str) -> type:
                              array_like=rel < MAP_LAYOUT_SINCE, omit_defaults=True, gc=False)
 
 
-def _extra_keys(v):
+def _extra_keys(v: list[Any] | None) -> list[tuple[Any, ...] | None] | None:
     return None if v is None else [None if e is None else tuple(e) for e in v]
 
 
 # The values vLLM holds as its own types (``extra_keys`` entries are tuples there).
-_AS_VLLM = {"block_hashes": list, "token_ids": list, "extra_keys": _extra_keys}
+_AS_VLLM: dict[str, Callable[[Any], Any]] = {"block_hashes": list, "token_ids": list, "extra_keys": _extra_keys}
 
 
-def _getter(names: tuple):
+def _getter(names: tuple[str, ...]) -> Callable[[Any], tuple[Any, ...]]:
     """``obj -> tuple`` of the attributes ``names`` (one C call from two names up)."""
     if len(names) > 1:
         return attrgetter(*names)
     return lambda obj: tuple(getattr(obj, n) for n in names)
 
 
-def _wire_table(version: str) -> dict:
+# vLLM's struct, getter of the fields it sends, conversions ((field index, function), ...).
+_WireEntry = tuple[type[msgspec.Struct], Callable[[Any], tuple[Any, ...]], tuple[tuple[int, Callable[[Any], Any]], ...]]
+
+
+def _wire_table(version: str) -> dict[type[msgspec.Struct], _WireEntry]:
     """Producer class -> (vLLM ``version``'s struct, getter of the fields it sends, conversions)."""
-    out = {}
+    out: dict[type[msgspec.Struct], _WireEntry] = {}
     for ev, cls in zip(EVENTS, (Stored, Removed, Cleared)):
         vcls = _vllm_struct(ev, version)
         names = vcls.__struct_fields__
@@ -107,7 +115,7 @@ BlockStored, BlockRemoved, AllBlocksCleared = (_WIRE[VERSIONS[-1]][c][0] for c i
 _encoder = msgspec.msgpack.Encoder()
 
 
-def _to_wire(ev, version: str):
+def _to_wire(ev: msgspec.Struct, version: str) -> msgspec.Struct:
     wire = _WIRE[version]
     entry = wire.get(type(ev))
     if entry is None:
@@ -124,7 +132,7 @@ def _to_wire(ev, version: str):
 
 
 def encode_batch(
-    events, *, ts: float = 1767225600.0, dp_rank: int | None = 0, version: str = "0.33"
+    events: Iterable[msgspec.Struct], *, ts: float = 1767225600.0, dp_rank: int | None = 0, version: str = "0.33"
 ) -> bytes:
     """The msgpack payload vLLM ``version`` would publish for ``events`` (frame 3).
 

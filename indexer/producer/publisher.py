@@ -26,11 +26,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from ..engines import END_SEQ, offset_endpoint
 from .events import encode_batch
+
+if TYPE_CHECKING:
+    import msgspec
 
 __all__ = ["VllmPublisher", "END_SEQ", "offset_endpoint"]
 
@@ -72,7 +76,7 @@ class VllmPublisher:
         version: str = "0.33",
         hwm: int = 0,
         bind: bool | None = None,
-        context: zmq.Context | None = None,
+        context: zmq.Context[Any] | None = None,
     ) -> None:
         self.topic = topic.encode()
         self.dp_rank = dp_rank
@@ -83,7 +87,7 @@ class VllmPublisher:
         self.drop: set[int] = set()
         self.replays_served = 0
         self._ctx = context or zmq.Context.instance()
-        self._buf: deque = deque(maxlen=buffer_steps)
+        self._buf: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._lock = threading.Lock()
         self._seq = 0
         self._pub = self._ctx.socket(zmq.PUB)
@@ -114,7 +118,7 @@ class VllmPublisher:
     def next_seq(self) -> int:
         return self._seq
 
-    def publish(self, events, *, ts: float | None = None) -> int:
+    def publish(self, events: Iterable[msgspec.Struct], *, ts: float | None = None) -> int:
         """Encode ``events`` (:mod:`indexer.producer.events` producer events) and publish them.
 
         Returns the batch's sequence number.
@@ -189,5 +193,5 @@ class VllmPublisher:
     def __enter__(self) -> VllmPublisher:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

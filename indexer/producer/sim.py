@@ -39,12 +39,18 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import xxhash
 
 from ..route import Load, route
 from .events import Cleared, Removed, Stored, encode_batch
+
+if TYPE_CHECKING:
+    from msgspec import Struct
+
+    from ..index import PrefixIndex
+    from .publisher import VllmPublisher
 
 __all__ = [
     "SimEngine", "Request", "trace_requests", "synthetic_requests", "RoundRobin", "LeastLoaded",
@@ -62,7 +68,7 @@ _q = struct.Struct("<Q").pack
 
 class Request(NamedTuple):
     t: float  # arrival, seconds from the start
-    tokens: list
+    tokens: list[int]
     output_length: int
 
 
@@ -139,7 +145,7 @@ class SimEngine:
     (``publisher.publish``).
     """
 
-    def __init__(self, engine: str, dp_rank: int = 0, *, sink: Callable[[list], Any] | None = None,
+    def __init__(self, engine: str, dp_rank: int = 0, *, sink: Callable[[list[Struct]], Any] | None = None,
                  block_size: int = 16, gpu_blocks: int = 16384, cpu_blocks: int = 0,
                  blocks_per_chunk: int = 16, self_describing: bool = True, group: int = 0) -> None:
         if gpu_blocks < 1 or cpu_blocks < 0 or blocks_per_chunk < 1 or block_size < 1:
@@ -153,9 +159,10 @@ class SimEngine:
         self.blocks_per_chunk = blocks_per_chunk
         self.self_describing = self_describing
         self.group = group
-        self.gpu: OrderedDict = OrderedDict()  # hash -> None; LRU first
-        self.cpu: OrderedDict = OrderedDict()  # chunk's last hash -> the chunk's hashes; LRU first
-        self.cpu_held: set = set()  # hashes of blocks in resident CPU chunks
+        self.gpu: OrderedDict[int, None] = OrderedDict()  # hash -> None; LRU first
+        # chunk's last hash -> the chunk's hashes; LRU first
+        self.cpu: OrderedDict[int, list[int]] = OrderedDict()
+        self.cpu_held: set[int] = set()  # hashes of blocks in resident CPU chunks
         self.lock = threading.Lock()
 
     @property
@@ -172,7 +179,7 @@ class SimEngine:
             # The GPU prefix, then the CPU continuation: whole resident chunks, as the
             # connector loads them.
             g, cpu_hit = self._hits(hs)
-            events: list = []
+            events: list[Struct] = []
             # Loaded from CPU or computed, the rest lands in the GPU cache (as much as fits
             # beside the prefix it extends).
             new = hs[g : g + max(0, self.gpu_blocks - g)]
@@ -204,7 +211,7 @@ class SimEngine:
         with self.lock:
             return self._hits(hs)
 
-    def _hits(self, hs: list) -> tuple[int, int]:
+    def _hits(self, hs: list[int]) -> tuple[int, int]:
         n = len(hs)
         g = 0
         while g < n and hs[g] in self.gpu:
@@ -219,7 +226,7 @@ class SimEngine:
                 c = end
         return g, c - g
 
-    def _offload(self, hs: list, tokens: list, events: list) -> None:
+    def _offload(self, hs: list[int], tokens: list[int], events: list[Struct]) -> None:
         k, bs, cpu = self.blocks_per_chunk, self.block_size, self.cpu
         for end in range(k, len(hs) + 1, k):
             last = hs[end - 1]
@@ -252,11 +259,13 @@ class SimEngine:
                 self.sink([Cleared()])
 
 
-def index_sink(index, engine: str, dp_rank: int = 0, model: str = "default", version: str = "0.33"):
+def index_sink(
+    index: PrefixIndex, engine: str, dp_rank: int = 0, model: str = "default", version: str = "0.33"
+) -> Callable[[list[Struct]], None]:
     """A sink that applies each batch to an in-process index, encoded as vLLM encodes it."""
     seq = [0]
 
-    def sink(events: list) -> None:
+    def sink(events: list[Struct]) -> None:
         index.apply(engine, encode_batch(events, ts=time.time(), dp_rank=dp_rank, version=version),
                     model=model, dp_rank=dp_rank, seq=seq[0])
         seq[0] += 1
@@ -274,7 +283,7 @@ class _Busy:
 
     def __init__(self) -> None:
         self.busy_until = 0.0
-        self.decoding: list = []  # heap of (finish time, blocks)
+        self.decoding: list[tuple[float, int]] = []  # heap of (finish time, blocks)
         self.decode_blocks = 0
 
     def load(self, now: float, prefill_tps: float) -> Load:
@@ -284,13 +293,19 @@ class _Busy:
         return Load(int(max(0.0, self.busy_until - now) * prefill_tps), self.decode_blocks)
 
 
+class Router(Protocol):
+    """What :func:`simulate` asks of a routing policy (its ``name``, if any, labels the report)."""
+
+    def choose(self, tokens: list[int], workers: list[str], loads: dict[str, Load]) -> str: ...
+
+
 class RoundRobin:
     name = "round_robin"
 
     def __init__(self) -> None:
         self.i = -1
 
-    def choose(self, tokens, workers: list[str], loads: dict) -> str:
+    def choose(self, tokens: list[int], workers: list[str], loads: dict[str, Load]) -> str:
         self.i += 1
         return workers[self.i % len(workers)]
 
@@ -303,7 +318,7 @@ class LeastLoaded:
     def __init__(self, block_size: int = 16) -> None:
         self.block_size = block_size
 
-    def choose(self, tokens, workers: list[str], loads: dict) -> str:
+    def choose(self, tokens: list[int], workers: list[str], loads: dict[str, Load]) -> str:
         bs = self.block_size
         return min(workers, key=lambda w: (math.ceil(loads[w][0] / bs) + loads[w][1], w))
 
@@ -312,18 +327,20 @@ class IndexRouter:
     """The index's answer (``indexer.route``) over an in-process :class:`PrefixIndex`;
     ``use_load=False`` routes on the cached prefix alone (ties: engine order)."""
 
-    def __init__(self, index, model: str = "default", prefill_load_scale: float = 1.0, use_load: bool = True) -> None:
+    def __init__(self, index: PrefixIndex, model: str = "default", prefill_load_scale: float = 1.0,
+                 use_load: bool = True) -> None:
         self.index = index
         self.model = model
         self.scale = prefill_load_scale
         self.use_load = use_load
         self.name = "index" if use_load else "index_cache_only"
 
-    def choose(self, tokens, workers: list[str], loads: dict) -> str:
+    def choose(self, tokens: list[int], workers: list[str], loads: dict[str, Load]) -> str:
         res = self.index.match(tokens, model=self.model)
         # The workers are the candidates: parsed once here, not again as ``candidates``.
         known = [(e, int(r), False) for e, _, r in (w.rpartition("/") for w in workers)]
-        return route(res, known, load=loads if self.use_load else None, prefill_load_scale=self.scale)["worker"]
+        worker: str = route(res, known, load=loads if self.use_load else None, prefill_load_scale=self.scale)["worker"]
+        return worker
 
 
 class HttpRouter:
@@ -336,10 +353,10 @@ class HttpRouter:
         from urllib.parse import urlsplit
 
         u = urlsplit(url)
-        self.conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=30)
+        self.conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=30)  # type: ignore[arg-type]  # no host: fails here
         self.model = model
 
-    def choose(self, tokens, workers: list[str], loads: dict) -> str:
+    def choose(self, tokens: list[int], workers: list[str], loads: dict[str, Load]) -> str:
         body = json.dumps({"token_ids": tokens, "model": self.model, "candidates": workers,
                            "load": {w: {"active_prefill_tokens": a, "active_decode_blocks": b}
                                     for w, (a, b) in loads.items()}}).encode()
@@ -348,7 +365,8 @@ class HttpRouter:
         doc = json.loads(r.read())
         if r.status != 200:
             raise RuntimeError(f"/v1/route answered {r.status}: {doc}")
-        return doc["worker"]
+        worker: str = doc["worker"]
+        return worker
 
 
 # ------------------------------------------------------------------ simulate
@@ -360,21 +378,21 @@ class Report(NamedTuple):
     prompt_tokens: int
     gpu_hit_tokens: int
     cpu_hit_tokens: int
-    per_worker: dict  # worker -> {"requests", "prompt_tokens", "computed_tokens", "hit_tokens"}
-    ttft_s: list  # per request, in request order
-    timeline: list  # (t, prompt tokens, hit tokens) per request
+    per_worker: dict[str, dict[str, int]]  # worker -> {"requests", "prompt_tokens", "computed_tokens", "hit_tokens"}
+    ttft_s: list[float]  # per request, in request order
+    timeline: list[tuple[float, int, int]]  # (t, prompt tokens, hit tokens) per request
 
     @property
     def hit_rate(self) -> float:
         return (self.gpu_hit_tokens + self.cpu_hit_tokens) / max(1, self.prompt_tokens)
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         """The figures a routing team asks for, JSON-able."""
         computed = [w["computed_tokens"] for w in self.per_worker.values()]
         mean = sum(computed) / max(1, len(computed))
         tt = sorted(self.ttft_s)
 
-        def pct(q):
+        def pct(q: float) -> float | None:
             return tt[min(len(tt) - 1, max(0, math.ceil(q * len(tt)) - 1))] if tt else None
 
         p = max(1, self.prompt_tokens)
@@ -394,7 +412,7 @@ class Report(NamedTuple):
         }
 
 
-def simulate(requests: Iterable[Request], engines: list[SimEngine], router, *, prefill_tps: float = 20_000.0,
+def simulate(requests: Iterable[Request], engines: list[SimEngine], router: Router, *, prefill_tps: float = 20_000.0,
              decode_tps: float = 40.0, realtime: bool = False, stop: threading.Event | None = None) -> Report:
     """Serve ``requests`` on ``engines``, each to the worker ``router`` picks.
 
@@ -406,15 +424,16 @@ def simulate(requests: Iterable[Request], engines: list[SimEngine], router, *, p
     busy = {n: _Busy() for n in names}
     per = {n: {"requests": 0, "prompt_tokens": 0, "computed_tokens": 0, "hit_tokens": 0} for n in names}
     gpu_hit = cpu_hit = total = count = 0
-    ttft: list = []
-    timeline: list = []
+    ttft: list[float] = []
+    timeline: list[tuple[float, int, int]] = []
     start = time.monotonic()
     for req in requests:
         if stop is not None and stop.is_set():
             break
         if realtime:
             delay = req.t - (time.monotonic() - start)
-            if delay > 0 and (stop.wait(delay) if stop is not None else time.sleep(delay)):
+            # (time.sleep's None: go on)
+            if delay > 0 and (stop.wait(delay) if stop is not None else time.sleep(delay)):  # type: ignore[func-returns-value]
                 break
         now = req.t
         loads = {n: busy[n].load(now, prefill_tps) for n in names}
@@ -461,7 +480,7 @@ class Fleet:
         # default of 10,000 would hold ~200 MB per simulated worker.
         self.model = model
         self.sims: list[SimEngine] = []
-        self.pubs: list = []
+        self.pubs: list[VllmPublisher] = []
         for e in range(engines):
             for r in range(dp_size):
                 pub = VllmPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", dp_rank=r, version=version, bind=True,
@@ -472,12 +491,13 @@ class Fleet:
         self.thread: threading.Thread | None = None
         self.report: Report | None = None
 
-    def engine_configs(self) -> list[dict]:
+    def engine_configs(self) -> list[dict[str, Any]]:
         return [{"id": s.engine, "endpoint": p.live_endpoint, "replay_endpoint": p.bound_replay_endpoint,
                  "model": self.model, "dp_rank_start": s.dp_rank}
                 for s, p in zip(self.sims, self.pubs)]
 
-    def run(self, requests: Iterable[Request], router, *, loop: bool = False, **kw: Any) -> None:
+    def run(self, requests: Iterable[Request] | Callable[[], Iterable[Request]], router: Router, *,
+            loop: bool = False, **kw: Any) -> None:
         """Replay in a background thread (in real time); ``loop`` starts over at the end."""
 
         def go() -> None:
@@ -498,7 +518,8 @@ class Fleet:
             p.close()
 
 
-def fleet_engines(engines: int, dp_size: int = 1, *, index=None, model: str = "default", version: str = "0.33",
+def fleet_engines(engines: int, dp_size: int = 1, *, index: PrefixIndex | None = None, model: str = "default",
+                  version: str = "0.33",
                   **engine_options: Any) -> list[SimEngine]:
     """In-process engines; with ``index``, each publishes straight into it (encoded as vLLM does)."""
     out = []
@@ -512,7 +533,8 @@ def fleet_engines(engines: int, dp_size: int = 1, *, index=None, model: str = "d
     return out
 
 
-def compare_policies(requests: list[Request], engines: int = 8, *, policies=("round_robin", "least_loaded", "index"),
+def compare_policies(requests: list[Request], engines: int = 8, *,
+                     policies: Iterable[str] = ("round_robin", "least_loaded", "index"),
                      dp_size: int = 1, prefill_tps: float = 20_000.0, decode_tps: float = 40.0,
                      **engine_options: Any) -> list[Report]:
     """One fresh fleet per policy, the same requests: the reports, in ``policies`` order."""
@@ -522,6 +544,7 @@ def compare_policies(requests: list[Request], engines: int = 8, *, policies=("ro
     for name in policies:
         idx = PrefixIndex()
         fleet = fleet_engines(engines, dp_size, index=idx, **engine_options)
+        router: Router
         if name == "round_robin":
             router = RoundRobin()
         elif name == "least_loaded":
