@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -53,12 +53,13 @@ class _Route:
 
     __slots__ = ("path", "rtype", "decoder", "rest_decoder", "handler", "hot", "error_key")
 
-    def __init__(self, path: str, rtype: type | None, handler: Handler, hot: bool, error_key: str) -> None:
+    def __init__(self, path: str, rtype: type[msgspec.Struct] | None, handler: Handler, hot: bool,
+                 error_key: str) -> None:
         self.path = path
         self.rtype = rtype
-        self.decoder = msgspec.json.Decoder(rtype) if rtype is not None else None
+        self.decoder: msgspec.json.Decoder[Any] | None = msgspec.json.Decoder(rtype) if rtype is not None else None
         twin = schemas.tokens_twin(rtype) if rtype is not None else None
-        self.rest_decoder = msgspec.json.Decoder(twin) if twin is not None else None
+        self.rest_decoder: msgspec.json.Decoder[Any] | None = msgspec.json.Decoder(twin) if twin is not None else None
         self.handler = handler
         self.hot = hot
         self.error_key = error_key  # "detail" (ours, FastAPI's) or "error" (Dynamo's)
@@ -84,7 +85,7 @@ class Service:
 
     # ------------------------------------------------------------- transport
 
-    async def serve_json(self, route: _Route, scope: dict, receive: Callable) -> tuple[int, bytes]:
+    async def serve_json(self, route: _Route, scope: MutableMapping[str, Any], receive: Callable) -> tuple[int, bytes]:
         """Read, decode, handle and encode one request; every failure is a counted 4xx."""
         try:
             body = await _read_body(scope, receive, self.settings.max_request_bytes)
@@ -225,7 +226,7 @@ def _decode(route: _Route, body: bytes):
                 q.token_ids = split[1]
                 return q
     try:
-        return route.decoder.decode(body)
+        return route.decoder.decode(body)  # type: ignore[union-attr]  # a route with a body type
     except msgspec.ValidationError:
         obj = msgspec.json.decode(body)
         if not _ints_from_floats(obj):
@@ -249,7 +250,7 @@ def _ints_from_floats(obj) -> bool:
     return found
 
 
-async def _read_body(scope: dict, receive: Callable, limit: int) -> bytes:
+async def _read_body(scope: MutableMapping[str, Any], receive: Callable, limit: int) -> bytes:
     """The request body, refusing more than ``limit`` bytes with 413 (R-BAD-2)
     before reading it when Content-Length says so, else as soon as it passes."""
     for k, v in scope["headers"]:
@@ -304,7 +305,8 @@ class _App(FastAPI):
         if routes is not None and scope["type"] == "http" and scope["method"] == "POST":
             route = routes.get(scope["path"])
             if route is not None:
-                status, body = await self.service.serve_json(route, scope, receive)
+                # (service is set with fast_routes)
+                status, body = await self.service.serve_json(route, scope, receive)  # type: ignore[union-attr]
                 await _send(send, status, body)
                 return
         await super().__call__(scope, receive, send)
@@ -358,7 +360,7 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
     )
     app.state.service = svc
 
-    def json_route(path: str, rtype: type | None, handler: Handler, *, hot: bool = False,
+    def json_route(path: str, rtype: type[msgspec.Struct] | None, handler: Handler, *, hot: bool = False,
                    ok: str | None = None, ok_status: int = 200, errors=(400, 404, 413, 422),
                    summary: str = "", tags=("indexer",), error_key: str = "detail",
                    also_ok: int | None = None) -> None:
@@ -458,7 +460,8 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
             # Starlette names the methods of the first route on the path only; name all.
             path = request.url.path
             allowed = sorted({m for r in app.routes if getattr(r, "path_regex", None) is not None
-                              and r.path_regex.match(path) for m in (getattr(r, "methods", None) or ())})
+                              and r.path_regex.match(path)  # type: ignore[attr-defined]  # checked just above
+                              for m in (getattr(r, "methods", None) or ())})
             headers["Allow"] = ", ".join(allowed)
         return Response(error_body(str(exc.detail)), status_code=exc.status_code, headers=headers, media_type=JSON)
 

@@ -25,11 +25,12 @@ Endpoint = Annotated[str, Meta(
 DpRank = Annotated[int, Meta(ge=0, le=1023)]
 
 
+# Subclasses inherit ``frozen``; they repeat it for type checkers (dataclass_transform).
 class _Req(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     pass
 
 
-class MatchRequest(_Req):
+class MatchRequest(_Req, frozen=True):
     """Longest-prefix match of a prompt (contract R-Q-1)."""
 
     token_ids: Annotated[list[TokenId], Meta(min_length=1)]
@@ -38,19 +39,19 @@ class MatchRequest(_Req):
     cache_salt: str | None = None
 
 
-class MatchByKeysRequest(_Req):
+class MatchByKeysRequest(_Req, frozen=True):
     """The same with precomputed block keys (R-KEY-2)."""
 
     block_keys: Annotated[list[BlockKey], Meta(min_length=1)]
     model: Name | None = None
 
 
-class WorkerLoad(_Req):
+class WorkerLoad(_Req, frozen=True):
     active_prefill_tokens: Count = 0
     active_decode_blocks: Count = 0
 
 
-class RouteRequest(_Req):
+class RouteRequest(_Req, frozen=True):
     """Best replica for a request: the match, plus optional load and candidates."""
 
     token_ids: Annotated[list[TokenId], Meta(min_length=1)]
@@ -61,7 +62,7 @@ class RouteRequest(_Req):
     candidates: Annotated[list[Name], Meta(min_length=1)] | None = None
 
 
-class EngineRequest(_Req):
+class EngineRequest(_Req, frozen=True):
     """Register an engine (contract §1). Rank r publishes on the endpoints' ports + r."""
 
     id: Name
@@ -80,7 +81,7 @@ class _DynReq(msgspec.Struct, frozen=True, kw_only=True):
     pass
 
 
-class DynRegister(_DynReq):
+class DynRegister(_DynReq, frozen=True):
     instance_id: Annotated[int, Meta(ge=0)]
     # Not pattern-checked here: Dynamo answers a bad endpoint with 400 and a message.
     endpoint: Name
@@ -91,14 +92,14 @@ class DynRegister(_DynReq):
     replay_endpoint: Name | None = None
 
 
-class DynUnregister(_DynReq):
+class DynUnregister(_DynReq, frozen=True):
     instance_id: Annotated[int, Meta(ge=0)]
     model_name: Name
     routing_group: Name | None = None
     dp_rank: DpRank | None = None
 
 
-class DynQuery(_DynReq):
+class DynQuery(_DynReq, frozen=True):
     token_ids: list[TokenId]
     model_name: Name
     routing_group: Name | None = None
@@ -106,7 +107,7 @@ class DynQuery(_DynReq):
     cache_salt: str | None = None
 
 
-class DynQueryByHash(_DynReq):
+class DynQueryByHash(_DynReq, frozen=True):
     block_hashes: list[BlockKey]
     model_name: Name
     routing_group: Name | None = None
@@ -175,7 +176,7 @@ class DynQueryResponse(msgspec.Struct):
     instances: dict[str, DynInstance]
 
 
-def tokens_twin(cls: type) -> type | None:
+def tokens_twin(cls: type[msgspec.Struct]) -> type[msgspec.Struct] | None:
     """``cls`` without its ``token_ids`` (None when it has none), for the rest of a body
     whose token array was read in C (:func:`indexer.keys.split_json_tokens`). Every other
     field is validated exactly as by ``cls``; ``token_ids`` stays as an attribute,
