@@ -1,7 +1,15 @@
 """Prometheus metrics: a collector that reads the index's counters at scrape time
 (``PrefixIndex.stats()`` walks workers and groups, never a tree) plus the query
-histograms the app observes. Every label set is bounded: routes are fixed, models and
-tiers come from configuration or are capped by the index (``max_tiers``, ``max_groups``).
+histograms the app observes. Every label set is bounded:
+
+* routes, statuses, outcomes and reasons are fixed sets in the code;
+* tiers and groups are capped by the index (``max_tiers``, ``max_groups``);
+* models come from the engines subscribed now, whoever registered them: the
+  configuration, ``POST /v1/engines`` or DNS discovery. ``max_workers`` caps the
+  workers (DP ranks) subscribed at once, so at most that many models are exported. A
+  model is exported only while it has a worker: the index keeps a model after its
+  last engine is removed, and exporting those would let register/unregister cycles
+  with new model names grow the label set without bound.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ _COUNTERS = {
     "wire_gaps": "Sequence gaps seen on the wire (then repaired by replay, or the worker marked stale).",
     "sequence_gaps": "Sequence gaps that reached the index unrepaired.",
     "restarts": "Engine restarts detected (sequence went backwards).",
+    "reconnects": "Reconnects of a worker's live socket; each one's continuity must then be proven (R-STR-7).",
     "orphans_adopted": "Stores that waited for their parent and were then applied.",
     "removed_unknown_blocks": "Removed blocks the index did not hold.",
     "cap_evicted_nodes": "Nodes evicted by the per-tree node cap.",
@@ -120,6 +129,18 @@ class _IndexCollector:
         rp.add_metric(["failed"], c.get("replays_failed", 0))
         yield rp
 
+        ct = CounterMetricFamily(
+            f"{NS}_continuity",
+            "Continuity checks of a worker's stream after a reconnect or a gap (R-STR-7), by outcome: "
+            "proven (the same engine incarnation sent both sides), restarted (the engine restarted: "
+            "its residency dropped and rebuilt by a replay from 0), unproven (no proof possible: "
+            "the worker is marked stale).",
+            labels=["outcome"])
+        for outcome, key in (("proven", "continuity_proven"), ("restarted", "continuity_restart"),
+                             ("unproven", "continuity_unproven")):
+            ct.add_metric([outcome], c.get(key, 0))
+        yield ct
+
         od = CounterMetricFamily(f"{NS}_orphans_dropped", "Orphan stores dropped, by reason.", labels=["reason"])
         for reason, key in (("expired", "orphan_expired"), ("overflow", "orphan_overflow"),
                             ("parent_gone", "orphans_dropped_parent_gone"), ("bad", "orphans_dropped_bad")):
@@ -131,6 +152,8 @@ class _IndexCollector:
                                 labels=["model", "tier", "group"])
         orph = GaugeMetricFamily(f"{NS}_orphans", "Stores waiting for their parent, per model.", labels=["model"])
         for model, m in st["models"].items():
+            if not m["workers"]:
+                continue  # no engine subscribed for it: not exported (bounded labels, see above)
             orph.add_metric([model], m["orphans"])
             for g, gd in m["groups"].items():
                 nodes.add_metric([model, g], gd["nodes"])
