@@ -51,7 +51,9 @@ class Query(Lifecycle):
         ``token_ids`` are ints, or already their little-endian uint32 bytes (as
         :func:`indexer.keys.split_json_tokens` reads them from a request). Keys are computed
         for every full block at each group's block size; a trailing partial block
-        is ignored. Read-only (R-Q-4).
+        is ignored. Changes nothing the index holds (R-Q-4); the first query after a
+        worker joins re-ranks the model's workers (a cache of their (engine, dp_rank)
+        order, under the lock), the only write a query makes.
 
         Raises
         ------
@@ -86,7 +88,8 @@ class Query(Lifecycle):
               cache_salt: str | None = None, load: Mapping[str, Load] | None = None,
               candidates: Iterable[str] | None = None, prefill_load_scale: float = 1.0) -> dict[str, Any]:
         """The best worker for a prompt: :meth:`match` weighed against ``load``
-        (:func:`indexer.route.route`; the ``POST /v1/route`` body). Read-only."""
+        (:func:`indexer.route.route`; the ``POST /v1/route`` body). Writes what
+        :meth:`match` writes: at most the ranking cache."""
         res = self.match(token_ids, model=model, lora_name=lora_name, cache_salt=cache_salt)
         return route(res, self.model_workers(res.model), load=load, candidates=candidates,
                      prefill_load_scale=prefill_load_scale)
