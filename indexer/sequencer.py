@@ -118,7 +118,7 @@ class Stream:
     __slots__ = (
         "sink", "max_buffered", "replay_timeout_s", "clock", "last", "anchor_seq", "anchor_ts",
         "full_history", "unproven", "replaying", "proving", "replay_start", "replay_next",
-        "replay_target", "replay_deadline", "replay_failed", "pending", "restarts", "gaps",
+        "replay_target", "replay_deadline", "replay_failed", "pending", "epoch", "restarts", "gaps",
         "replays_ok", "replays_failed", "reconnects", "replayed_lo", "replayed_hi",
     )
 
@@ -140,7 +140,10 @@ class Stream:
         self.replay_target: int | None = None  # the live seq that started the replay
         self.replay_deadline = 0.0
         self.replay_failed: str | None = None
-        self.pending: list[tuple[int, bytes]] = []  # live batches buffered during a replay
+        # Live batches buffered during a replay: (seq, payload, epoch), epoch being the
+        # connection they came over (PUB keeps order per connection, not across them).
+        self.pending: list[tuple[int, bytes, int]] = []
+        self.epoch = 0  # connections of the live socket seen so far
         self.restarts = 0
         self.gaps = 0
         self.replays_ok = 0
@@ -161,8 +164,11 @@ class Stream:
             self.anchor_seq = seq
             self.anchor_ts = ts
 
-    def live(self, seq: int, payload: bytes) -> None:
-        """Sequence one batch from the live socket (R-STR-1..5, R-STR-7)."""
+    def live(self, seq: int, payload: bytes, epoch: int | None = None) -> None:
+        """Sequence one batch from the live socket (R-STR-1..5, R-STR-7); ``epoch`` is the
+        connection it came over (the current one unless it waited in ``pending``)."""
+        if epoch is None:
+            epoch = self.epoch
         if self.replaying:
             if self.last is not None and seq <= self.last and self._is_restart(seq, payload):
                 # PUB keeps per-connection order: what was buffered came before this
@@ -170,34 +176,34 @@ class Stream:
                 self._cancel()
                 self.pending = []
                 self._restart()
-                self.live(seq, payload)
+                self.live(seq, payload, epoch)
                 return
             if len(self.pending) >= self.max_buffered:
                 self._fail(f"more than {self.max_buffered} live batches arrived during replay")
                 self._cancel()
                 self._finish()
-                self.live(seq, payload)
+                self.live(seq, payload, epoch)
                 return
-            self.pending.append((seq, payload))
+            self.pending.append((seq, payload, epoch))
             return
         last = self.last
         if last is None:
             if seq == 0:
                 self._first(seq, payload)
             else:
-                self._gap(0, seq, payload)  # R-STR-3: late join = a gap from 0
+                self._gap(0, seq, payload, epoch)  # R-STR-3: late join = a gap from 0
             return
         if seq > last:
             if self.unproven:
-                self._prove(seq, payload)  # R-STR-7: the first new batch after a reconnect
+                self._prove(seq, payload, epoch)  # R-STR-7: the first new batch after a reconnect
             elif seq == last + 1:
                 self.apply(seq, payload)
             else:
-                self._gap(last + 1, seq, payload)  # R-STR-2
+                self._gap(last + 1, seq, payload, epoch)  # R-STR-2
             return
         if self._is_restart(seq, payload):
             self._restart()  # R-STR-5
-            self.live(seq, payload)
+            self.live(seq, payload, epoch)
             return
         if not self.unproven and self.replayed_lo <= seq <= self.replayed_hi:
             self.sink.count(self, "batches_duplicate")  # R-STR-1: a live copy of a replayed batch
@@ -205,7 +211,7 @@ class Stream:
         # PUB never repeats a batch, so this one, not newer, not a copy of a replayed
         # one (or arriving after a reconnect), may be another incarnation's, from an
         # engine whose clock is behind. Prove it before anything else is applied.
-        self._prove(seq, payload)
+        self._prove(seq, payload, epoch)
 
     def reconnected(self) -> None:
         """The live socket (re)connected: the next batch must prove that it comes from
@@ -216,6 +222,7 @@ class Stream:
             self.reconnects += 1
             self.sink.count(self, "reconnects")
         self.unproven = True
+        self.epoch += 1
 
     def resync(self) -> None:
         """Drop everything and replay from seq 0 (recovers a stale worker whose engine
@@ -310,15 +317,16 @@ class Stream:
 
     def _rebuild(self) -> None:
         """A restart proven by a replay: drop the worker's residency and replay from 0.
-        The buffered live batches go too: those of the new incarnation were published
-        before the replay request, so its answer holds them; the others (received
-        before the reconnect) are the old incarnation's."""
+        Of the buffered live batches, those that came over the current connection stay
+        (the new incarnation's: the rebuild must reach them, or the worker is stale);
+        those from before the latest reconnect are the old incarnation's, and go."""
+        keep = [p for p in self.pending if p[2] == self.epoch]
         self._cancel()
-        self.pending = []
         self._restart()
+        self.pending = keep
         self._replay(0, None)
 
-    def _prove(self, seq: int, payload: bytes) -> None:
+    def _prove(self, seq: int, payload: bytes, epoch: int) -> None:
         """After a reconnect: hold ``seq`` until a replay from the anchor proves it."""
         if self.anchor_seq is None:
             # Nothing applied since the last reset: the index holds nothing to protect.
@@ -326,18 +334,18 @@ class Stream:
             if self.last is not None and seq <= self.last:
                 self.sink.count(self, "batches_duplicate")
             else:
-                self.live(seq, payload)
+                self.live(seq, payload, epoch)
             return
-        self._replay(self.anchor_seq, (seq, payload))
+        self._replay(self.anchor_seq, (seq, payload, epoch))
 
-    def _gap(self, start: int, seq: int, payload: bytes) -> None:
+    def _gap(self, start: int, seq: int, payload: bytes, epoch: int) -> None:
         self.gaps += 1
         self.sink.count(self, "wire_gaps")
         if start > 0 and self.anchor_seq is not None:
             start = self.anchor_seq  # R-STR-7: a gap may hide a restart; prove it did not
-        self._replay(start, (seq, payload))
+        self._replay(start, (seq, payload, epoch))
 
-    def _replay(self, start: int, live: tuple[int, bytes] | None) -> None:
+    def _replay(self, start: int, live: tuple[int, bytes, int] | None) -> None:
         if live is not None:
             self.pending.append(live)
         self.replay_target = self.pending[0][0] if self.pending else None
@@ -391,7 +399,7 @@ class Stream:
             first = items[0][0]
             if self.last is None or first > self.last + 1:
                 self.last = first - 1
-        for seq, payload in items:
+        for seq, payload, epoch in items:
             last = self.last
             if last is not None and seq <= last:
                 # Covered by the replay (overlap), or what a proof was about. Never a
@@ -401,4 +409,4 @@ class Stream:
                 # behind) for a restart here would rebuild, and loop, forever.
                 self.sink.count(self, "batches_duplicate")
                 continue
-            self.live(seq, payload)  # once replaying again, the rest re-buffers
+            self.live(seq, payload, epoch)  # once replaying again, the rest re-buffers

@@ -661,10 +661,6 @@ def test_R_STR_4_worker_reports_replaying_as_a_bool():
     assert h.stream.replaying is False and not h.worker()["stale"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sequencer bug (since ba94f23): _rebuild drops the buffered live batches and replays from 0 with "
-    "replay_target None, so an answer whose end marker comes early (tail frames lost) is taken as complete: "
-    "the worker is marked fresh while it lacks the new incarnation's later batches"))
 def test_R_STR_4_R_STR_7_rebuild_answer_cut_short_is_stale_not_silently_partial():
     """A restart proven by the proof replay; the rebuild's answer from 0 ends after
     seq 1, though the new incarnation's seq 4 came live. The worker must be stale (as
@@ -678,7 +674,26 @@ def test_R_STR_4_R_STR_7_rebuild_answer_cut_short_is_stale_not_silently_partial(
     assert h.requests == [2, -1, 0]
     serve(h, new[:2])  # 0, 1, then the end marker
     w = h.worker()
-    assert w["stale"] or set(h.held()) == {3, 4, 5, 6, 7}, (w, h.held())
+    assert w["stale"] and "before batch 4" in w["stale_reason"], (w, h.held())
+
+
+def test_R_STR_7_rebuild_keeps_what_came_over_the_new_connection_and_drops_the_old():
+    """A gap opens a proof replay with the old incarnation's seq 4 buffered; the engine
+    restarts (a reconnect) and its seq 5 arrives, buffered too. The proof shows another
+    ts at the anchor: the rebuild from 0 must reach seq 5 (it came over the current
+    connection) and must never apply the old seq 4 (it came over the old one)."""
+    h = Harness()
+    old_engine(h)
+    h.stream.live(4, batch(4, 104.0))  # old incarnation, 3 lost: proof from 2
+    assert h.requests == [2]
+    h.stream.reconnected()  # the engine restarted meanwhile
+    new = [(s, batch(s if s < 3 else s + 2, 200.0 + s)) for s in range(6)]  # P0 P1 P2 P5 P6 P7
+    h.stream.live(*new[5])  # seq 5 of the new incarnation: buffered
+    serve(h, new)  # seq 2 with another ts: a restart, rebuild from 0
+    assert h.requests == [2, -1, 0] and h.stream.replay_target == 5
+    serve(h, new)
+    assert set(h.held()) == {0, 1, 2, 5, 6, 7} and 4 not in h.held(), h.held()
+    assert not h.worker()["stale"] and h.worker()["last_seq"] == 5
 
 
 # ------------------------------------------------------------------ soak
