@@ -696,6 +696,27 @@ def test_R_STR_7_rebuild_keeps_what_came_over_the_new_connection_and_drops_the_o
     assert not h.worker()["stale"] and h.worker()["last_seq"] == 5
 
 
+def test_R_STR_7_a_batch_requeued_after_a_replay_keeps_the_connection_it_came_over():
+    """The old incarnation's seq 4 waits through a proof replay (answered by the old
+    engine) and a reconnect; re-sequenced after it, it asks for another proof, which the
+    restarted engine answers with another ts. The rebuild must drop it (it came over the
+    connection before the reconnect, however often it was re-queued): the worker ends
+    fresh and equal to the new incarnation, P4 not held."""
+    h = Harness()
+    h.stream.reconnected()  # the first connect, as the transport reports it
+    log = old_engine(h)
+    old = log + [(3, batch(3, 103.0)), (4, batch(4, 104.0))]
+    h.stream.live(*old[4])  # 3 lost: proof replay from 2, seq 4 buffered
+    h.stream.reconnected()  # the engine restarts before the answer is read
+    serve(h, old[2:4])  # the old engine's answer: 2 (same ts: proven), 3
+    assert h.requests == [2, 3]  # the buffered 4, re-queued, asks for proof from 3
+    new = [(s, batch(7 if s == 3 else s, 200.0 + s)) for s in range(4)]  # P0 P1 P2 P7
+    serve(h, new)  # seq 3 with another ts: a restart; the rebuild replays from 0
+    assert h.requests[-2:] == [-1, 0] and h.stream.replay_target is None
+    serve(h, new)
+    assert set(h.held()) == {0, 1, 2, 7} and not h.worker()["stale"], (h.held(), h.worker())
+
+
 # ------------------------------------------------------------------ soak
 
 HONEST = {"loss", "restart", "reconnect", "clock"}
