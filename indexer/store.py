@@ -11,7 +11,7 @@ import msgspec
 
 from .keys import KEY_SEED, block_keys, seeds_for_blocks
 from .lifecycle import Lifecycle
-from .sequencer import DUPLICATE, GAP, NEXT, classify
+from .sequencer import DUPLICATE, GAP, RESTART, classify
 from .state import _WG, GPU, _Worker
 from .tree import DEAD, Node, Tree, dup_add, insert_gpu
 from .wire import REMOVED, STORED, DecodeError, decode_batch, raw_array_len, token_bytes
@@ -43,15 +43,22 @@ class Store(Lifecycle):
             return "dropped", None
         w = self._worker(engine, rank, model)
         if seq is not None:
-            verdict = classify(w.last_seq, w.last_ts, seq, batch.ts)
-            if verdict == GAP:
-                w.gaps += 1
-                self._count("sequence_gaps")
-            elif decide and verdict != NEXT:
-                if verdict == DUPLICATE:
+            last = w.last_seq
+            if decide:
+                verdict = classify(last, w.last_ts, seq, batch.ts)
+                if verdict == GAP:
+                    w.gaps += 1
+                    self._count("sequence_gaps")
+                elif verdict == DUPLICATE:
                     self._count("batches_duplicate")
                     return "duplicate", None
-                self._restart(w)
+                elif verdict == RESTART:
+                    self._restart(w)
+            elif (seq > last + 1) if last is not None else seq > 0:
+                # A Stream decided already (no call to classify on the live hot path);
+                # a gap it accepted still counts as one that reached the index.
+                w.gaps += 1
+                self._count("sequence_gaps")
             w.last_seq = seq
         if batch.issues:
             unknown = self._events[3]

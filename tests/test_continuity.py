@@ -66,7 +66,7 @@ def reconnected(ix, n: int, engine: str = "e1") -> None:
 
 def old_then_restart(rig, lost: int, replay: bool = True):
     eng = Engine(rig, replay)
-    ix = rig.indexer([eng.config])
+    ix = rig.indexer([eng.config], replay_timeout_s=30.0)  # a loaded CI machine must not time out
     ready(ix)
     for i in range(3):  # seqs 0-2: P0-P2 on the GPU
         eng.rec.send(gpu(P[i]))
@@ -160,7 +160,8 @@ def test_R_STR_7_soak_over_real_sockets(rig, seed):
     for k, e in enumerate(engines):
         e.rec.engine = f"e{k}"
     ix = rig.indexer([EngineConfig(id=f"e{k}", endpoint=f"tcp://127.0.0.1:{e.port}",
-                                   replay_endpoint=f"tcp://127.0.0.1:{e.rport}") for k, e in enumerate(engines)])
+                                   replay_endpoint=f"tcp://127.0.0.1:{e.rport}") for k, e in enumerate(engines)],
+                     replay_timeout_s=30.0)  # a replay timing out on a loaded machine would be stale
     ready(ix)
     restarts = [0, 0]
     for _ in range(40):
