@@ -250,9 +250,7 @@ class Stream:
                 self.sink.count(self, "continuity_restart")
                 self._rebuild()
                 return
-            self.sink.count(self, "continuity_unproven")
-            self._fail(f"continuity after seq {self.anchor_seq} unproven: replay from {self.replay_start} "
-                       f"started at {seq} (engine buffer overrun)")
+            self._unproven(f"replay from {self.replay_start} started at {seq} (engine buffer overrun)")
         elif seq > self.replay_next:
             # R-STR-4: the engine no longer holds what we asked for.
             self._fail(f"replay from {self.replay_next} started at {seq}: engine buffer overrun")
@@ -357,9 +355,9 @@ class Stream:
         if why is not None:
             if self.proving:
                 self.proving = False
-                self.sink.count(self, "continuity_unproven")
-                why = f"continuity after seq {self.anchor_seq} unproven: {why}"
-            self._fail(why)
+                self._unproven(why)
+            else:
+                self._fail(why)
             self._finish()
             return
         self.replaying = True
@@ -371,6 +369,11 @@ class Stream:
             self.sink.cancel_replay(self)
         self.replaying = False
         self.proving = False
+
+    def _unproven(self, why: str) -> None:
+        """R-STR-7: no proof of continuity can be had; the worker is stale, saying why."""
+        self.sink.count(self, "continuity_unproven")
+        self._fail(f"continuity after seq {self.anchor_seq} unproven: {why}")
 
     def _fail(self, reason: str) -> None:
         if self.replay_failed is None:
