@@ -13,6 +13,8 @@ the ingest thread yields between batches when a query waits (see ``PrefixIndex``
 
 from __future__ import annotations
 
+import functools
+import ipaddress
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -27,18 +29,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from indexer import PrefixIndex
 from indexer.discovery import DnsDiscovery
-from indexer.engines import EngineConfig
+from indexer.engines import EndpointRefused, EngineConfig
 from indexer.index import ModelRequiredError
 from indexer.ingest import Indexer
 from indexer.keys import split_json_tokens
 from indexer.route import Load, route
 
 from . import dynamo, schemas
+from .auth import CLIENT, Auth, client_of, is_mutating
 from .common import ENC, JSON, HTTPError, off_loop, u64_keys
 from .metrics import Metrics
 from .settings import Settings
 
 log = logging.getLogger("kv_indexer.api")
+audit_log = logging.getLogger("kv_indexer.audit")
 
 
 def error_body(detail: str, key: str = "detail") -> bytes:
@@ -72,9 +76,11 @@ class Service:
         self.settings = settings
         self.index = index
         self.ingest = Indexer(settings.engines, index=index, replay_timeout_s=settings.replay_timeout_s,
-                              max_workers=settings.max_workers)
+                              max_workers=settings.max_workers, endpoint_policy=settings.endpoint_policy())
+        self.auth = Auth(settings.api_token, settings.auth_reads) if settings.api_token else None
         self.api_errors: dict[tuple[str, int], int] = {}
-        self.metrics = Metrics(index, self.ingest, self.api_errors)
+        self.metrics = Metrics(index, self.ingest, self.api_errors,
+                               self.auth.failures if self.auth is not None else None)
         self.routes: dict[str, _Route] = {}
         self.discovery = None
         d = settings.discovery
@@ -147,7 +153,10 @@ class Service:
         try:
             out = route(res, self.index.model_workers(res.model),
                         load={k: Load(v.active_prefill_tokens, v.active_decode_blocks) for k, v in q.load.items()},
-                        candidates=q.candidates, prefill_load_scale=self.settings.prefill_load_scale)
+                        candidates=q.candidates, prefill_load_scale=self.settings.prefill_load_scale,
+                        link=self.ingest.link)
+        except ValueError as e:  # a malformed candidate or load key, named
+            raise HTTPError(422, str(e)) from None
         except LookupError as e:
             raise HTTPError(404, str(e)) from None
         self.observe("/v1/route", t0, res)
@@ -165,15 +174,39 @@ class Service:
                 if old == cfg:
                     return 200, engine_dict(old)
                 raise HTTPError(409, f"engine {cfg.id!r} is already registered with another configuration")
+        await self.subscribe(cfg, "api")
+        return 201, engine_dict(cfg)
+
+    async def subscribe(self, cfg: EngineConfig, via: str, refused_status: int = 422) -> None:
+        """Subscribe to ``cfg`` for an API caller, and say so in the audit log.
+
+        ``refused_status`` for an endpoint the policy refuses (tcp only, allowlist), 422
+        for dp_size over ``max_workers``, 409 when the id or the capacity is taken."""
+        if cfg.dp_size > self.settings.max_workers:
+            raise HTTPError(422, f"engine {cfg.id}: dp_size {cfg.dp_size} exceeds max_workers="
+                                 f"{self.settings.max_workers}")
         try:
-            await off_loop(self.ingest.add_engine, cfg)
+            await off_loop(functools.partial(self.ingest.add_engine, cfg, via=via))
+        except EndpointRefused as e:
+            audit_log.warning("refused to register engine %s for %s: %s", cfg.id, CLIENT.get(), e)
+            raise HTTPError(refused_status, str(e)) from None
         except ValueError as e:
             raise HTTPError(409, str(e)) from None
-        return 201, engine_dict(cfg)
+        audit_log.info("engine %s registered via %s by %s: model=%s endpoint=%s replay_endpoint=%s ranks=%d..%d",
+                       cfg.id, via, CLIENT.get(), cfg.model, cfg.endpoint, cfg.replay_endpoint,
+                       cfg.dp_rank_start, cfg.dp_rank_start + cfg.dp_size - 1)
+
+    async def unsubscribe(self, engine_id: str, via: str, dp_rank: int | None = None) -> bool:
+        """Unsubscribe (all ranks, or the config covering ``dp_rank``), audit-logged."""
+        gone = await off_loop(functools.partial(self.ingest.remove_engine, engine_id, dp_rank, via=via))
+        if gone:
+            audit_log.info("engine %s%s unregistered via %s by %s", engine_id,
+                           "" if dp_rank is None else f" dp_rank {dp_rank}", via, CLIENT.get())
+        return gone
 
     async def remove_engine(self, engine_id: str) -> tuple[int, Any]:
         n = sum(c.dp_size for c in self.ingest.engines() if c.id == engine_id)
-        if not await off_loop(self.ingest.remove_engine, engine_id):
+        if not await self.unsubscribe(engine_id, "api"):
             raise HTTPError(404, f"unknown engine {engine_id!r}")
         return 200, {"removed": engine_id, "workers": n}
 
@@ -199,6 +232,15 @@ class Service:
                 reasons.append(f"{name}: replaying")
         ok = not fatal and (subscribed - len(reasons)) >= self.settings.ready_fraction * subscribed
         return ok, fatal + reasons
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name, or 0.0.0.0 / :: (every interface)
 
 
 def engine_dict(cfg: EngineConfig) -> dict:
@@ -282,10 +324,10 @@ async def _read_body(scope: MutableMapping[str, Any], receive: Callable, limit: 
 _JSON_TYPE = (b"content-type", JSON.encode())
 
 
-async def _send(send: Callable, status: int, body: bytes) -> None:
+async def _send(send: Callable, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
     """Send one whole JSON response."""
     await send({"type": "http.response.start", "status": status,
-                "headers": [_JSON_TYPE, (b"content-length", str(len(body)).encode())]})
+                "headers": [_JSON_TYPE, (b"content-length", str(len(body)).encode()), *(headers or ())]})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -299,16 +341,29 @@ class _App(FastAPI):
 
     fast_routes: dict | None = None  # path -> _Route, when Settings.fast_path
     service: Service | None = None
+    auth: Auth | None = None  # set when an API token is configured
 
     async def __call__(self, scope, receive, send) -> None:
-        routes = self.fast_routes
-        if routes is not None and scope["type"] == "http" and scope["method"] == "POST":
-            route = routes.get(scope["path"])
-            if route is not None:
-                # (service is set with fast_routes)
-                status, body = await self.service.serve_json(route, scope, receive)  # type: ignore[union-attr]
-                await _send(send, status, body)
-                return
+        if scope["type"] == "http":
+            auth = self.auth
+            if auth is not None:
+                refused = auth.refuse(scope)
+                if refused is not None:
+                    status, msg, headers = refused
+                    key = "error" if scope["path"] in dynamo.PATHS else "detail"
+                    await _send(send, status, error_body(msg, key), headers)
+                    return
+            routes = self.fast_routes
+            if routes is not None and scope["method"] == "POST":
+                route = routes.get(scope["path"])
+                if route is not None:
+                    # (service is set with fast_routes)
+                    status, body = await self.service.serve_json(route, scope, receive)  # type: ignore[union-attr]
+                    await _send(send, status, body)
+                    return
+            if is_mutating(scope["method"], scope["path"]):
+                # Who asked, for the audit log lines of the handler (this task only).
+                CLIENT.set(f"{client_of(scope)} ({'with the token' if auth is not None else 'no token configured'})")
         await super().__call__(scope, receive, send)
 
 
@@ -329,6 +384,20 @@ def _json_responses(ok: str | None, ok_status: int = 200, errors=(400, 404, 413,
     return out
 
 
+def _document_auth(spec: dict, auth: Auth) -> None:
+    """Declare the bearer token, and its 401 and 403, on every operation that needs it."""
+    spec["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    for path, ops in spec["paths"].items():
+        for method, op in ops.items():
+            concrete = path.replace("{engine_id}", "x")
+            if not auth.needs_token(method.upper(), concrete):
+                continue
+            op["security"] = [{"bearer": []}]
+            schema = _ref("DynErrorResponse" if path in dynamo.PATHS else "ErrorResponse")
+            for status, what in (("401", "No bearer token"), ("403", "Wrong bearer token")):
+                op.setdefault("responses", {})[status] = {"description": what, "content": {JSON: {"schema": schema}}}
+
+
 def create_app(settings: Settings | None = None, index: PrefixIndex | None = None) -> FastAPI:
     """Build the app. ``settings`` default to :class:`Settings` defaults (no file or
     environment is read here: that is the CLI's job); ``index`` defaults to a new
@@ -340,6 +409,11 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        if svc.auth is None and not _is_loopback(settings.host):
+            log.warning("SECURITY: listening on %s without an API token: anyone who can reach port %d can register "
+                        "engines (the index then connects where they say) and delete them. Set KVI_API_TOKEN or "
+                        "api_token_file, and allowed_endpoints (docs/deploy.md, Security).", settings.host,
+                        settings.port)
         svc.ingest.start()
         if svc.discovery is not None:
             svc.discovery.start()
@@ -414,12 +488,14 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
         st["discovery"] = svc.discovery.status() if svc.discovery is not None else None
         return Response(ENC.encode(st), media_type=JSON)
 
-    @app.get("/healthz", tags=["ops"], summary="Process alive")
+    @app.api_route("/healthz", methods=["GET", "HEAD"], tags=["ops"], summary="Process alive")
     async def healthz() -> Response:
         return Response(b'{"status":"ok"}', media_type=JSON)
 
-    @app.get("/readyz", tags=["ops"], summary="Engines connected and none replaying (503 otherwise)",
-             responses={503: {"description": "Not ready"}})
+    @app.api_route("/readyz", methods=["GET", "HEAD"], tags=["ops"],
+                   summary="Ingest running (and, with ready_fraction > 0, that share of workers connected and not "
+                   "replaying); 503 otherwise. The reasons name every worker that is not healthy.",
+                   responses={503: {"description": "Not ready"}})
     async def readyz() -> Response:
         ok, reasons = svc.readiness()
         return Response(ENC.encode({"ready": ok, "reasons": reasons}), status_code=200 if ok else 503,
@@ -448,6 +524,8 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
 
             spec = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
             spec.setdefault("components", {}).setdefault("schemas", {}).update(components)
+            if svc.auth is not None:
+                _document_auth(spec, svc.auth)
             app.openapi_schema = spec
         return app.openapi_schema
 
@@ -463,8 +541,11 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
                               and r.path_regex.match(path)  # type: ignore[attr-defined]  # checked just above
                               for m in (getattr(r, "methods", None) or ())})
             headers["Allow"] = ", ".join(allowed)
-        return Response(error_body(str(exc.detail)), status_code=exc.status_code, headers=headers, media_type=JSON)
+        key = "error" if request.url.path in dynamo.PATHS else "detail"  # Dynamo's error shape on its routes
+        return Response(error_body(str(exc.detail), key), status_code=exc.status_code, headers=headers,
+                        media_type=JSON)
 
+    app.auth = svc.auth
     if settings.fast_path:
         app.service = svc
         app.fast_routes = {p: r for p, r in svc.routes.items() if r.hot}

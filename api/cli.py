@@ -37,7 +37,14 @@ _HELP = {
     "max_request_bytes": "request body bytes, at most; more gets 413",
     "replay_timeout_s": "seconds a replay may take before the worker is marked stale",
     "max_workers": "engine DP ranks subscribed at once, at most (each holds up to 4 sockets)",
-    "ready_fraction": "/readyz: share of subscribed workers that must be connected and not replaying, 0..1",
+    "ready_fraction": "/readyz: share of subscribed workers that must be connected and not replaying, 0..1 "
+    "(0: ready once ingest runs; per-worker health is in /v1/workers and kvi_worker_health)",
+    "api_token": "bearer token the mutating routes need (engine register/unregister); unset = open. "
+    "Prefer the environment or a file to a flag",
+    "api_token_file": "a file holding the token (e.g. a mounted Secret), read at start",
+    "auth_reads": "every route needs the token, not only the mutating ones (probes excepted)",
+    "allowed_endpoints": "hosts engines may be at (names, *.DOMAIN, IPs, CIDRs), checked before any connect; "
+    "empty = any; engines are tcp:// only (comma-separated or a JSON list in the environment)",
     "prefill_load_scale": "/v1/route cost weight of uncached prefill blocks",
     "log_level": "critical, error, warning, info or debug",
     "log_json": "log one JSON object per line",
@@ -86,8 +93,10 @@ def _env_table() -> str:
         shown = json.dumps(default) if name in ("credits", "engines") else default
         if name == "engines":
             shown = "[]"
-        if name == "discovery":
+        if name in ("discovery", "api_token", "api_token_file"):
             shown = "none"
+        if name == "allowed_endpoints":
+            shown = "[] (any host)"
         lines.append(f"  {ENV_PREFIX + name.upper():<24} {_HELP.get(name, '')} (default {shown})")
     return "\n".join(lines)
 
@@ -137,6 +146,11 @@ def build_parser(prog: str = "kv-indexer") -> argparse.ArgumentParser:
     s.add_argument("--log-level", help=_HELP["log_level"])
     s.add_argument("--log-json", action="store_true", default=None, help=_HELP["log_json"])
     s.add_argument("--access-log", action="store_true", default=None, help=_HELP["access_log"])
+    s.add_argument("--api-token-file", metavar="FILE", help=_HELP["api_token_file"])
+    s.add_argument("--auth-reads", action="store_true", default=None, help=_HELP["auth_reads"])
+    s.add_argument("--allowed-endpoint", action="append", metavar="HOST|*.DOMAIN|CIDR",
+                   help="may be given several times: " + _HELP["allowed_endpoints"])
+    s.add_argument("--ready-fraction", type=float, help=_HELP["ready_fraction"])
     s.add_argument("--max-request-tokens", type=int, help=_HELP["max_request_tokens"])
     s.add_argument("--max-nodes", type=int, help=_HELP["max_nodes"])
     s.add_argument("--replay-timeout-s", type=float, help=_HELP["replay_timeout_s"])
@@ -381,6 +395,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "replay_timeout_s": args.replay_timeout_s,
             "demo": args.demo,
             "demo_speedup": args.demo_speedup,
+            "api_token_file": args.api_token_file,
+            "auth_reads": args.auth_reads,
+            "allowed_endpoints": args.allowed_endpoint,
+            "ready_fraction": args.ready_fraction,
         }
         if args.engine:
             overrides["engines"] = [parse_engine_spec(e) for e in args.engine]
@@ -391,7 +409,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.check:
         import msgspec
 
-        print(msgspec.json.format(msgspec.json.encode(settings)).decode())
+        print(msgspec.json.format(msgspec.json.encode(settings.redacted())).decode())
         return 0
     serve(settings)  # FastAPI and uvicorn are imported here, not before
     return 0

@@ -25,9 +25,11 @@ from fastapi.responses import Response
 from indexer.engines import EngineConfig
 
 from . import schemas
-from .common import ENC, JSON, HTTPError, off_loop, u64_keys
+from .common import ENC, JSON, HTTPError, u64_keys
 
 OK = b'{"status":"ok"}'
+# Dynamo's routes: errors there are {"error": ...}, 405 and 401/403 included.
+PATHS = frozenset({"/register", "/unregister", "/query", "/query_by_hash", "/workers", "/health"})
 DEFAULT_GROUP = "default"
 
 
@@ -71,10 +73,7 @@ class Dynamo:
         if known is not None and known != q.block_size:
             raise HTTPError(409, f"block_size mismatch for model={q.model_name} routing_group="
                                    f"{q.routing_group or DEFAULT_GROUP}: existing={known}, requested={q.block_size}")
-        try:
-            await off_loop(self.svc.ingest.add_engine, cfg)
-        except ValueError as e:
-            raise HTTPError(409, str(e)) from None
+        await self.svc.subscribe(cfg, "dynamo", refused_status=400)  # Dynamo: a bad endpoint is 400
         self.partitions[model] = (q.model_name, q.routing_group or DEFAULT_GROUP)
         self.block_sizes[model] = q.block_size
         return 201, OK
@@ -94,9 +93,9 @@ class Dynamo:
             # Dynamo honours dp_rank only with routing_group: that one listener goes.
             if not any(q.dp_rank in c.ranks for c in mine):
                 raise HTTPError(404, f"instance {eid} dp_rank {q.dp_rank} not found")
-            await off_loop(self.svc.ingest.remove_engine, eid, q.dp_rank)
+            await self.svc.unsubscribe(eid, "dynamo", q.dp_rank)
         else:
-            await off_loop(self.svc.ingest.remove_engine, eid)
+            await self.svc.unsubscribe(eid, "dynamo")
         return 200, OK
 
     async def query(self, q: schemas.DynQuery):
@@ -166,6 +165,8 @@ class Dynamo:
         subs = {(w["engine"], w["dp_rank"]): w for w in self.svc.ingest.workers()}
         out = []
         for eid, cfgs in sorted(by_engine.items()):
+            if not (eid.isascii() and eid.isdigit()):
+                continue  # not a Dynamo instance (registered by id over /v1/engines): instance_id is a u64
             name, grp = self.partition(cfgs[0].model)
             if (model_name is not None and name != model_name) or (group is not None and grp != group):
                 continue
@@ -178,7 +179,7 @@ class Dynamo:
                     listeners[str(r)] = {"endpoint": ep, "status": "active" if w.get("connected") else "pending"}
             statuses = {x["status"] for x in listeners.values()}
             out.append({
-                "instance_id": int(eid) if eid.isdigit() else eid,
+                "instance_id": int(eid),
                 "source": "zmq",
                 "status": "pending" if "pending" in statuses else "active",
                 "model_name": name,
@@ -210,7 +211,8 @@ def add_routes(app: FastAPI, svc, json_route) -> None:
         return Response(ENC.encode(dyn.workers(qp.get("model_name"), qp.get("routing_group"))),
                         media_type=JSON)
 
-    @app.get("/health", tags=list(tags), summary="Dynamo: process alive (empty 200)", response_class=Response,
+    @app.api_route("/health", methods=["GET", "HEAD"], tags=list(tags), summary="Dynamo: process alive (empty 200)",
+                   response_class=Response,
              responses={200: {"description": "alive", "content": None}})
     async def health() -> Response:
         return Response(b"", status_code=200)

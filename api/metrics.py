@@ -80,14 +80,15 @@ class _Histograms:
 class Metrics:
     """The registry of one app: histograms observed per query, the rest read on scrape."""
 
-    def __init__(self, index: Any, ingest: Any, api_errors: dict) -> None:
+    def __init__(self, index: Any, ingest: Any, api_errors: dict, auth_failures: dict | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.query_seconds = _Histograms(
             f"{NS}_query_duration_seconds", "Time to answer a query route, in the handler.", _LATENCY_BUCKETS)
         self.matched_blocks = _Histograms(
             f"{NS}_query_matched_blocks", "Longest prefix (blocks, all tiers) of the best worker per query.",
             _BLOCK_BUCKETS)
-        self.registry.register(_IndexCollector(index, ingest, api_errors, (self.query_seconds, self.matched_blocks)))
+        self.registry.register(_IndexCollector(index, ingest, api_errors, (self.query_seconds, self.matched_blocks),
+                                               auth_failures))
 
     def observe(self, route: str, seconds: float, blocks: int) -> None:
         self.query_seconds.observe(route, seconds)
@@ -95,11 +96,13 @@ class Metrics:
 
 
 class _IndexCollector:
-    def __init__(self, index: Any, ingest: Any, api_errors: dict, histograms: tuple = ()) -> None:
+    def __init__(self, index: Any, ingest: Any, api_errors: dict, histograms: tuple = (),
+                 auth_failures: dict | None = None) -> None:
         self.index = index
         self.ingest = ingest
         self.api_errors = api_errors  # {(route path, status): n}, kept by the app
         self.histograms = histograms
+        self.auth_failures = auth_failures  # {"missing" | "wrong": n}, kept by api.auth; None = no token
 
     def describe(self):
         return []
@@ -163,13 +166,30 @@ class _IndexCollector:
         yield res
         yield orph
 
-        states = {"connected": 0, "disconnected": 0, "replaying": 0, "stale": 0}
+        states = {"connected": 0, "disconnected": 0, "never_connected": 0, "replaying": 0, "stale": 0}
+        health = GaugeMetricFamily(f"{NS}_worker_health", "1 for each subscribed worker's health (ok, "
+                                   "never_connected, disconnected, replaying, stale); see /v1/workers.",
+                                   labels=["engine", "dp_rank", "health"])
         if self.ingest is not None:
             for w in self.ingest.workers():
                 if "connected" in w:
                     states["connected" if w["connected"] else "disconnected"] += 1
+                    states["never_connected"] += not w["connects"]
                     states["replaying"] += bool(w["replaying"])
+                    health.add_metric([w["engine"], str(w["dp_rank"]), w["health"]], 1)
         states["stale"] = st["stale_workers"]
+        yield health
+        ch = CounterMetricFamily(f"{NS}_engine_changes", "Engines registered and unregistered, by who asked "
+                                 "(config, api, dynamo, discovery, library).", labels=["op", "via"])
+        for (op, via), n in sorted((self.ingest.changes if self.ingest is not None else {}).items()):
+            ch.add_metric([op, via], n)
+        yield ch
+        if self.auth_failures is not None:
+            af = CounterMetricFamily(f"{NS}_auth_failures", "Requests refused for a missing (401) or wrong (403) "
+                                     "bearer token.", labels=["reason"])
+            for reason, n in sorted(self.auth_failures.items()):
+                af.add_metric([reason], n)
+            yield af
         ws = GaugeMetricFamily(f"{NS}_workers", "Workers by state (a worker can be in several).", labels=["state"])
         for k, n in states.items():
             ws.add_metric([k], n)

@@ -15,13 +15,21 @@ TokenId = Annotated[int, Meta(ge=0, le=2**32 - 1, description="a token id (uint3
 BlockKey = Annotated[int, Meta(ge=-(2**63), description="xxh3-64 block key (u64; a signed i64 is taken mod 2^64)")]
 Name = Annotated[str, Meta(min_length=1, max_length=256)]
 Count = Annotated[int, Meta(ge=0, le=2**53)]
-# What a SUB/DEALER can connect to; the same rule as indexer.engines.check_endpoint, so
-# a schema-valid endpoint is one the service accepts (ports 1-65535).
+# What the service connects to: tcp only (indexer.engines.EndpointPolicy), the same rule
+# as indexer.engines.check_endpoint, so a schema-valid endpoint is one the service
+# accepts (ports 1-65535) unless allowed_endpoints says otherwise.
 _PORT = r"([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
 Endpoint = Annotated[str, Meta(
-    pattern=r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):" + _PORT + r"|(ipc|inproc)://.*[^/])$",
-    max_length=256, description="tcp://HOST:PORT, ipc://PATH or inproc://NAME",
+    pattern=r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):" + _PORT + r"$",
+    max_length=256, description="tcp://HOST:PORT",
 )]
+# indexer.engines.ENGINE_ID_RE (which also refuses a final newline, that "$" lets by).
+EngineId = Annotated[str, Meta(
+    pattern=r"^[A-Za-z0-9_][A-Za-z0-9._:-]{0,127}$", min_length=1, max_length=128,
+    description="ASCII letters, digits, '.', '_', ':' and '-', not starting with '.', ':' or '-'",
+)]
+# Bounded, like every string a client sends (vLLM's cache_salt is a short tenant secret).
+CacheSalt = Annotated[str, Meta(max_length=1024)]
 DpRank = Annotated[int, Meta(ge=0, le=1023)]
 
 
@@ -36,7 +44,7 @@ class MatchRequest(_Req, frozen=True):
     token_ids: Annotated[list[TokenId], Meta(min_length=1)]
     model: Name | None = None
     lora_name: Name | None = None
-    cache_salt: str | None = None
+    cache_salt: CacheSalt | None = None
 
 
 class MatchByKeysRequest(_Req, frozen=True):
@@ -57,15 +65,16 @@ class RouteRequest(_Req, frozen=True):
     token_ids: Annotated[list[TokenId], Meta(min_length=1)]
     model: Name | None = None
     lora_name: Name | None = None
-    cache_salt: str | None = None
-    load: dict[str, WorkerLoad] = {}
+    cache_salt: CacheSalt | None = None
+    load: dict[Name, WorkerLoad] = {}
+    # "ENGINE" or "ENGINE/RANK" (RANK in ASCII digits); a malformed one is a 422 naming it.
     candidates: Annotated[list[Name], Meta(min_length=1)] | None = None
 
 
 class EngineRequest(_Req, frozen=True):
     """Register an engine (contract §1). Rank r publishes on the endpoints' ports + r."""
 
-    id: Name
+    id: EngineId
     endpoint: Endpoint
     model: Name = "default"
     replay_endpoint: Endpoint | None = None
@@ -104,14 +113,14 @@ class DynQuery(_DynReq, frozen=True):
     model_name: Name
     routing_group: Name | None = None
     lora_name: Name | None = None
-    cache_salt: str | None = None
+    cache_salt: CacheSalt | None = None
 
 
 class DynQueryByHash(_DynReq, frozen=True):
     block_hashes: list[BlockKey]
     model_name: Name
     routing_group: Name | None = None
-    cache_salt: str | None = None  # refused with 400, as Dynamo does: hashes carry the salt
+    cache_salt: CacheSalt | None = None  # refused with 400, as Dynamo does: hashes carry the salt
 
 
 # --- Response shapes (documentation; the handlers build them from the index).
@@ -129,6 +138,8 @@ class RankedOut(msgspec.Struct):
     cached_blocks: int
     cost: float
     stale: bool
+    # The live socket's state now; null for a candidate the index does not subscribe to.
+    connected: bool | None
 
 
 class RouteResponse(msgspec.Struct):
@@ -140,6 +151,8 @@ class RouteResponse(msgspec.Struct):
     cost: float
     reason: str
     ranked: list[RankedOut]
+    # Keys of "load" that named no candidate (well-formed, but no such worker).
+    unused_load: list[str]
 
 
 class EngineOut(msgspec.Struct):

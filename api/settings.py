@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from indexer.engines import EngineConfig
+from indexer.engines import EndpointPolicy, EngineConfig
 
 ENV_PREFIX = "KVI_"
 
@@ -69,7 +69,17 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     max_request_bytes: int = 16 * 1024 * 1024
     replay_timeout_s: float = 5.0
     # /readyz: the share of subscribed workers that must be connected and not replaying.
-    ready_fraction: float = 1.0
+    # 0 (the default): ready once ingest runs, so one unreachable engine never takes
+    # the pod out of its Service; per-worker health is in /v1/workers and /metrics.
+    ready_fraction: float = 0.0
+    # The bearer token mutating routes need (engine register/unregister); unset = open.
+    api_token: str | None = None
+    # A file holding the token (a mounted Secret); read once at start.
+    api_token_file: str | None = None
+    # Reads need the token too (all but /healthz, /readyz and /health).
+    auth_reads: bool = False
+    # Hosts engines may be at: names, *.DOMAIN, IPs or CIDRs; empty = any (tcp:// only).
+    allowed_endpoints: tuple[str, ...] = ()
     # Engine DP ranks subscribed at once (sockets and file descriptors grow with it).
     max_workers: int = 2048
     # /v1/route: cost = prefill_load_scale * uncached prefill blocks + decode blocks.
@@ -115,6 +125,15 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         for tier, c in self.credits.items():
             if not tier or c < 0:
                 bad("credits", f"tier names must be non-empty and credits >= 0, got {tier!r}: {c}")
+        if self.api_token is not None and (len(self.api_token) < 16 or not self.api_token.isprintable()
+                                           or any(c.isspace() for c in self.api_token)):
+            bad("api_token", "must be at least 16 printable characters without blanks")
+        if self.auth_reads and self.api_token is None:
+            bad("auth_reads", "needs api_token (or api_token_file)")
+        try:
+            EndpointPolicy(self.allowed_endpoints)
+        except ValueError as err:
+            bad("allowed_endpoints", str(err).removeprefix("allowed_endpoints: "))
         if self.log_level.lower() not in ("critical", "error", "warning", "info", "debug"):
             bad("log_level", f"must be one of critical, error, warning, info, debug; got {self.log_level!r}")
         seen: dict[tuple[str, int], str] = {}
@@ -134,6 +153,17 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
             "max_nodes": self.max_nodes or None,
         }
 
+    def endpoint_policy(self) -> EndpointPolicy:
+        """What the service may connect to: tcp only, within ``allowed_endpoints``."""
+        return EndpointPolicy(self.allowed_endpoints)
+
+    def redacted(self) -> dict[str, Any]:
+        """These settings as JSON-able builtins, the token hidden (for printing and logs)."""
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        if self.api_token is not None:
+            out["api_token"] = "<redacted>"
+        return out
+
 
 FIELDS = Settings.__struct_fields__
 # Settings whose environment value is JSON (the rest are scalars, parsed by type).
@@ -146,7 +176,7 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         raw = env.get(ENV_PREFIX + name.upper())
         if raw is None:
             continue
-        if name in _JSON_FIELDS:
+        if name in _JSON_FIELDS or (name == "allowed_endpoints" and raw.lstrip().startswith("[")):
             try:
                 out[name] = json.loads(raw)
             except ValueError as e:
@@ -193,6 +223,17 @@ def load_settings(
     unknown = sorted(set(merged) - set(FIELDS))
     if unknown:
         raise SettingsError(f"unknown setting(s): {', '.join(unknown)} (known: {', '.join(FIELDS)})")
+    if isinstance(merged.get("allowed_endpoints"), str):  # KVI_ALLOWED_ENDPOINTS=a,b (JSON lists work too)
+        merged["allowed_endpoints"] = [x.strip() for x in merged["allowed_endpoints"].split(",") if x.strip()]
+    token_file = merged.get("api_token_file")
+    if token_file:
+        if merged.get("api_token"):
+            raise SettingsError("set api_token or api_token_file, not both")
+        try:
+            with open(token_file, encoding="utf-8") as f:
+                merged["api_token"] = f.read().strip()
+        except (OSError, UnicodeError) as e:
+            raise SettingsError(f"api_token_file {token_file}: {getattr(e, 'strerror', None) or e}") from None
     try:
         # str_values: environment values arrive as text ("8080", "true").
         return msgspec.convert(merged, Settings, strict=False)

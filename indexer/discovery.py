@@ -106,7 +106,7 @@ class DnsDiscovery:
                 continue
             try:
                 cfg = self.config_for(addr)
-                self.indexer.add_engine(cfg)
+                self.indexer.add_engine(cfg, via="discovery")
             except ValueError as e:  # a bad address or max_workers reached: say so, go on
                 self.errors += 1
                 self.last_error = f"cannot add {addr}: {e}"
@@ -119,7 +119,7 @@ class DnsDiscovery:
             if now - first >= self.grace_s:
                 eid = self.known.pop(addr)
                 self.missing_since.pop(addr, None)
-                self.indexer.remove_engine(eid)
+                self.indexer.remove_engine(eid, via="discovery")
                 removed.append(eid)
         if added:
             self.indexer.index.count("discovery_added", len(added))

@@ -26,7 +26,7 @@ from typing import Any, cast
 
 import zmq
 
-from .engines import EngineConfig, as_config, offset_endpoint
+from .engines import EndpointPolicy, EngineConfig, as_config, offset_endpoint
 from .index import PrefixIndex
 from .result import MatchResult
 from .sequencer import Stream
@@ -126,6 +126,9 @@ class Indexer(ZmqTransport):
     max_workers:
         Workers (engine DP ranks) subscribed at once, at most; each holds up to four
         sockets, so this bounds sockets and file descriptors (R-BAD-3).
+    endpoint_policy:
+        Checked before any engine is subscribed (:class:`~.engines.EndpointPolicy`:
+        tcp only, an allowlist); None accepts every valid endpoint (ipc and inproc too).
     context:
         The ZMQ context; by default one of our own, sized for ``max_workers`` (libzmq's
         default of 1,023 sockets per context is ~250 workers).
@@ -143,6 +146,7 @@ class Indexer(ZmqTransport):
         reconnect_ivl_ms: int = 100,
         reconnect_ivl_max_ms: int = 5_000,
         context: zmq.Context[Any] | None = None,
+        endpoint_policy: EndpointPolicy | None = None,
         **index_options: Any,
     ) -> None:
         self.index: PrefixIndex = index if index is not None else PrefixIndex(**index_options)
@@ -164,10 +168,15 @@ class Indexer(ZmqTransport):
         self._wake_addr = f"inproc://kvidx-wake-{id(self)}"
         self._wake_tx: zmq.Socket[bytes] | None = None
         self._replaying: set[Sub] = set()
+        self.link: dict[tuple[str, int], tuple[bool, bool]] = {}
         self._sink = _Sink(self)
         self.error: str | None = None  # set if the ingest thread died (see ``running``)
+        self.endpoint_policy = endpoint_policy
+        # Engine registrations and removals done, by (op, via): "register"/"unregister" x
+        # who asked ("config", "api", "dynamo", "discovery", "library").
+        self.changes: dict[tuple[str, str], int] = {}
         for e in engines:
-            self._add(as_config(e))
+            self._add(self._checked(as_config(e)), "config")
 
     # ------------------------------------------------------------- public API
 
@@ -222,21 +231,30 @@ class Indexer(ZmqTransport):
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def add_engine(self, engine: EngineConfig | dict[str, Any] | None = None, **fields: Any) -> EngineConfig:
-        """Subscribe to one more engine (all its DP ranks).
+    def add_engine(self, engine: EngineConfig | dict[str, Any] | None = None, *, via: str = "library",
+                   **fields: Any) -> EngineConfig:
+        """Subscribe to one more engine (all its DP ranks); ``via`` names who asked (counted
+        in :attr:`changes`).
 
         Raises
         ------
         ValueError
-            When the id is taken by a different configuration, or a field is bad.
+            When the id is taken by a different configuration, or a field is bad;
+            :class:`~.engines.EndpointRefused` (a ValueError) when the endpoint policy
+            refuses an endpoint: nothing was connected.
         """
-        cfg = as_config(engine if engine is not None else fields)
-        return cast(EngineConfig, self._call("add", cfg))
+        cfg = self._checked(as_config(engine if engine is not None else fields))
+        return cast(EngineConfig, self._call("add", (cfg, via)))
 
-    def remove_engine(self, engine_id: str, dp_rank: int | None = None) -> bool:
+    def remove_engine(self, engine_id: str, dp_rank: int | None = None, *, via: str = "library") -> bool:
         """Unsubscribe from an engine and drop its workers' residency (R-STR-6): all of
         them, or only the config covering ``dp_rank``. Returns False when unknown."""
-        return cast(bool, self._call("remove", (engine_id, dp_rank)))
+        return cast(bool, self._call("remove", (engine_id, dp_rank, via)))
+
+    def _checked(self, cfg: EngineConfig) -> EngineConfig:
+        if self.endpoint_policy is not None:
+            self.endpoint_policy.check(cfg)
+        return cfg
 
     def resync(self, engine_id: str) -> None:
         """Drop an engine's state and replay each worker from seq 0 (recovers stale workers
@@ -278,6 +296,7 @@ class Indexer(ZmqTransport):
                     messages=sub.messages,
                     connects=sub.connects,
                 )
+            w["health"] = _health(w, sub)
             out.append(w)
         return out
 
@@ -309,14 +328,17 @@ class Indexer(ZmqTransport):
             self._running.clear()
             return None
         if op == "add":
-            return self._add(arg)
+            return self._add(*arg)
         if op == "remove":
             return self._remove(arg)
         if op == "resync":
             return self._resync(arg)
         return None
 
-    def _add(self, cfg: EngineConfig) -> EngineConfig:
+    def _count(self, op: str, via: str) -> None:
+        self.changes[(op, via)] = self.changes.get((op, via), 0) + 1
+
+    def _add(self, cfg: EngineConfig, via: str) -> EngineConfig:
         for (eid, _), old in self._engines.items():
             if eid != cfg.id:
                 continue
@@ -331,13 +353,15 @@ class Indexer(ZmqTransport):
         for r in cfg.ranks:
             sub = _Sub(cfg, r, self._sink, self)
             self._subs[(cfg.id, r)] = sub
+            self.link[(cfg.id, r)] = (False, False)
             self.index.register_worker(cfg.id, r, model=cfg.model)
             if self._thread is not None:
                 self._open(sub)
+        self._count("register", via)
         return cfg
 
-    def _remove(self, arg: tuple[str, int | None]) -> bool:
-        engine_id, dp_rank = arg
+    def _remove(self, arg: tuple[str, int | None, str]) -> bool:
+        engine_id, dp_rank, via = arg
         gone = [k for k, c in self._engines.items()
                 if k[0] == engine_id and (dp_rank is None or dp_rank in c.ranks)]
         if not gone:
@@ -345,16 +369,31 @@ class Indexer(ZmqTransport):
         for k in gone:
             for r in self._engines.pop(k).ranks:
                 sub = self._subs.pop((engine_id, r), None)
+                self.link.pop((engine_id, r), None)
                 if sub is not None:
                     self._close(sub)
                     self._replaying.discard(sub)
                 self.index.drop_worker(engine_id, r)
+        self._count("unregister", via)
         return True
 
     def _resync(self, engine_id: str) -> None:
         for (e, _), sub in list(self._subs.items()):
             if e == engine_id:
                 sub.resync()
+
+
+def _health(w: dict[str, Any], sub: _Sub | None) -> str:
+    """One word for a worker: stale, replaying, never_connected, disconnected or ok."""
+    if w["stale"]:
+        return "stale"
+    if sub is None:
+        return "ok"  # known to the index only (applied in-process)
+    if sub.replaying:
+        return "replaying"
+    if not sub.connected:
+        return "disconnected" if sub.connects else "never_connected"
+    return "ok"
 
 
 def _yield_gil() -> None:

@@ -119,6 +119,11 @@ class Query(Lifecycle):
                 return live[0]
             if not live:
                 raise KeyError("no model is indexed yet")
+            # Engines register under "default" unless told otherwise: a query without a
+            # model keeps meaning that pool when another model joins.
+            d = self._models.get("default")
+            if d is not None and d.workers:
+                return d
             names = ", ".join(sorted(m.name for m in live))
             raise ModelRequiredError(f"model is required: several models are indexed ({names})")
         m = self._models.get(model)

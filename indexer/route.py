@@ -10,6 +10,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
+from .engines import parse_worker
 from .result import MatchResult
 
 __all__ = ["Load", "route"]
@@ -29,27 +30,42 @@ def route(
     load: Mapping[str, Load] | None = None,
     candidates: Iterable[str] | None = None,
     prefill_load_scale: float = 1.0,
+    link: Mapping[tuple[str, int], tuple[bool, bool]] | None = None,
 ) -> dict[str, Any]:
     """Rank the candidates by cost, lowest first; the ``/v1/route`` body.
 
     ``known`` is ``(engine, dp_rank, stale)`` of the model's workers
     (``PrefixIndex.model_workers``); ``candidates`` restricts them (``"engine/rank"``,
     or ``"engine"`` for all its known ranks; an unknown one is ranked with nothing
-    cached); ``load`` is keyed ``"engine/rank"`` or ``"engine"``. For each candidate:
+    cached); ``load`` is keyed ``"engine/rank"`` or ``"engine"``; ``link`` is the
+    transport's ``(connected now, ever connected)`` per worker (None: all connected).
+    For each candidate:
 
         cost = prefill_load_scale * max(queued prefill blocks + prompt blocks - score, 0)
                + decode blocks
 
     where the score is the credit-weighted cached prefix (stale already discounted).
-    Ties: higher score, then engine id, then rank.
+    A worker that never connected ranks after every other one, whatever its cost; then
+    ties go to the higher score, then engine id, then rank. Load keys that name no
+    candidate are listed in ``unused_load``.
 
     Raises
     ------
+    ValueError
+        When a candidate or load key is malformed (not ``ENGINE`` or ``ENGINE/RANK``
+        with an engine id and ASCII rank digits); the message names every bad key.
     LookupError
         When there is no candidate at all.
     """
     load = load or {}
     known = list(known)
+    bad = []
+    load_workers: dict[str, tuple[str, int | None]] = {}
+    for k in load:
+        try:
+            load_workers[k] = parse_worker(k)
+        except ValueError:
+            bad.append(k)
     by_key = {(w.engine, w.dp_rank): w for w in res.workers}
     if candidates is None:
         cands = [(e, r) for e, r, _ in known]
@@ -59,48 +75,67 @@ def route(
             ranks.setdefault(e, []).append(r)
         cands = []
         for c in candidates:
-            engine, slash, rank_s = c.rpartition("/")
-            if slash and rank_s.isdigit():
-                cands.append((engine, int(rank_s)))
+            try:
+                engine, rank = parse_worker(c)
+            except ValueError:
+                bad.append(c)
+                continue
+            if rank is not None:
+                cands.append((engine, rank))
             else:
-                cands.extend((c, r) for r in ranks.get(c, [0]))
+                cands.extend((engine, r) for r in ranks.get(engine, [0]))
         cands = sorted(set(cands))
+    if bad:
+        raise ValueError("malformed worker name(s) in candidates or load: "
+                         f"{', '.join(repr(b) for b in bad)} (expected ENGINE or ENGINE/RANK, RANK in ASCII digits)")
     if not cands:
         raise LookupError(f"no workers to route to for model {res.model!r}")
     bs = res.block_size or 0
     stale = {(e, r): s for e, r, s in known}
+    used: set[str] = set()
     ranked = []
     for engine, rank in cands:
         wm = by_key.get((engine, rank))
         score = wm.score if wm is not None else 0.0
         name = f"{engine}/{rank}"
-        ld = load.get(name) or load.get(engine)
+        ld = load.get(name)
+        if ld is not None:
+            used.add(name)
+        else:
+            ld = load.get(engine)
+            if ld is not None:
+                used.add(engine)
         prefill = decode = 0
         if ld is not None:
             prefill = math.ceil(ld[0] / bs) if bs else 0
             decode = ld[1]
         cost = prefill_load_scale * max(prefill + res.query_blocks - score, 0.0) + decode
-        ranked.append((cost, -score, engine, rank, name, wm, stale.get((engine, rank), False)))
-    ranked.sort(key=lambda t: t[:4])
+        lk = link.get((engine, rank)) if link is not None else None
+        connected = lk[0] if lk is not None else (None if link is not None else True)
+        never = lk is not None and not lk[1]
+        ranked.append((never, cost, -score, engine, rank, name, wm, stale.get((engine, rank), False), connected))
+    ranked.sort(key=lambda t: t[:5])
     best = ranked[0]
-    top_score = max(-t[1] for t in ranked)
+    top_score = max(-t[2] for t in ranked)
     if top_score <= 0:
         reason = "no_cached_prefix_least_loaded"
-    elif -best[1] >= top_score:
+    elif -best[2] >= top_score:
         reason = "longest_cached_prefix"
     else:
         reason = "load_outweighs_cached_prefix"
     return {
         "model": res.model,
-        "worker": best[4],
-        "engine": best[2],
-        "dp_rank": best[3],
-        "score": -best[1] + 0.0,
-        "cost": best[0],
+        "worker": best[5],
+        "engine": best[3],
+        "dp_rank": best[4],
+        "score": -best[2] + 0.0,
+        "cost": best[1],
         "reason": reason,
         "ranked": [
             {"worker": name, "engine": e, "dp_rank": r, "score": -ns + 0.0,
-             "cached_blocks": wm.total_blocks if wm is not None else 0, "cost": cost, "stale": st}
-            for cost, ns, e, r, name, wm, st in ranked
+             "cached_blocks": wm.total_blocks if wm is not None else 0, "cost": cost, "stale": st,
+             "connected": conn}
+            for _, cost, ns, e, r, name, wm, st, conn in ranked
         ],
+        "unused_load": sorted(set(load) - used),
     }

@@ -67,6 +67,9 @@ class ZmqTransport:
     _cmds: queue.Queue[tuple[str, Any, threading.Event, list[Any]]]  # (op, arg, done, box)
     _running: threading.Event
     _replaying: set[Sub]
+    # (engine, rank) -> (connected now, ever connected): what routing reads per
+    # request, kept up to date here so a route never walks the subscriptions.
+    link: dict[tuple[str, int], tuple[bool, bool]]
     rcvhwm: int
     reconnect_ivl_ms: int
     reconnect_ivl_max_ms: int
@@ -194,6 +197,7 @@ class ZmqTransport:
             for sub in self._subs.values():
                 self._close(sub)
                 sub.connected = False
+                self.link[(sub.engine, sub.rank)] = (False, sub.connects > 0)
             wake_rx.close(0)
 
     def _drain_commands(self, wake_rx: zmq.Socket[bytes]) -> None:
@@ -253,6 +257,7 @@ class ZmqTransport:
             if sub.connected:
                 sub.connects += 1
                 sub.reconnected()  # R-STR-7: what follows must prove its continuity
+            self.link[(sub.engine, sub.rank)] = (sub.connected, sub.connects > 0)
 
     def _drain_replay(self, sub: Sub, sock: zmq.Socket[bytes]) -> None:
         while True:

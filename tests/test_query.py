@@ -475,7 +475,7 @@ def test_R_Q_1_model_may_be_omitted_when_one_model_has_workers():
 
     idx = PrefixIndex()
     t = toks(10, 2, 16)
-    apply(idx, [store(t, 16, 0, 2)], engine="a")
+    apply(idx, [store(t, 16, 0, 2)], engine="a", model="m1")
     idx.register_worker("b", 0, model="other")
     with pytest.raises(ModelRequiredError, match="several models"):
         idx.match(t, model=None)
@@ -483,3 +483,15 @@ def test_R_Q_1_model_may_be_omitted_when_one_model_has_workers():
     assert idx.match(t, model=None).best.engine == "a"
     with pytest.raises(KeyError, match="unknown model"):
         idx.match(t, model="nope")
+
+
+def test_R_Q_1_an_omitted_model_means_default_when_another_model_joins():
+    idx = PrefixIndex()
+    t = toks(10, 2, 16)
+    apply(idx, [store(t, 16, 0, 2)], engine="a")  # model "default"
+    apply(idx, [store(t, 16, 0, 1)], engine="b", model="other")
+    res = idx.match(t, model=None)
+    assert res.model == "default" and [w.engine for w in res.workers] == ["a"]
+    assert idx.match(t, model="other").best.engine == "b"
+    idx.drop_worker("a")  # the default pool is empty: "other" is the one model left
+    assert idx.match(t, model=None).model == "other"

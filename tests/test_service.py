@@ -80,16 +80,21 @@ def test_health_openapi_docs_and_metrics_path(api):
     r.read()
 
 
-def test_readyz_waits_for_engines_to_connect(api, pubs):
+def test_readyz_by_default_stays_ready_and_names_an_engine_that_never_connected(api, pubs):
     assert api.get("/readyz") == (200, {"ready": True, "reasons": []})
     port = free_port()
     st, _ = api.post("/v1/engines", {"id": "late", "endpoint": f"tcp://127.0.0.1:{port}"})
     assert st == 201
+    # ready_fraction 0 (the default): one unreachable engine does not take the pod out
+    # of its Service; the reasons, /v1/workers and the metrics say which one is down.
     st, body = api.get("/readyz")
-    assert st == 503 and not body["ready"]
-    assert body["reasons"] == [f"late/0: not connected to tcp://127.0.0.1:{port}"]
+    assert (st, body) == (200, {"ready": True, "reasons": [f"late/0: not connected to tcp://127.0.0.1:{port}"]})
+    assert worker(api, "late")["health"] == "never_connected"
+    assert sample(api.metrics(), "kvi_worker_health", engine="late", dp_rank="0", health="never_connected") == 1
     pubs(f"tcp://127.0.0.1:{port}")
-    wait_for(lambda: api.get("/readyz")[0] == 200, what="readyz after the publisher bound")
+    wait_for(lambda: api.get("/readyz")[1]["reasons"] == [], what="readyz reasons after the publisher bound")
+    assert worker(api, "late")["health"] == "ok"
+    assert sample(api.metrics(), "kvi_worker_health", engine="late", dp_rank="0", health="ok") == 1
 
 
 # ------------------------------------------------------------------ the main flow
@@ -257,6 +262,31 @@ BAD = [
     ("engine bad port", "/v1/engines", b'{"id": "x", "endpoint": "tcp://h:70000"}', 422),
     ("engine dp_size 0", "/v1/engines", b'{"id": "x", "endpoint": "tcp://h:1", "dp_size": 0}', 422),
     ("engine empty id", "/v1/engines", b'{"id": "", "endpoint": "tcp://h:1"}', 422),
+    # Issue 15: what once got a 500, was read wrongly, or was accepted and never deletable.
+    ("candidate rank superscript", "/v1/route",
+     '{"token_ids": [1], "model": "m1", "candidates": ["bad-input/³"]}'.encode(), 422),
+    ("candidate rank arabic digit", "/v1/route",
+     '{"token_ids": [1], "model": "m1", "candidates": ["bad-input/١"]}'.encode(), 422),
+    ("candidate two slashes", "/v1/route", b'{"token_ids": [1], "model": "m1", "candidates": ["a/b/0"]}', 422),
+    ("load key rank superscript", "/v1/route",
+     '{"token_ids": [1], "model": "m1", "load": {"bad-input/³": {"active_decode_blocks": 1}}}'.encode(), 422),
+    ("load key control char", "/v1/route", b'{"token_ids": [1], "model": "m1", "load": {"bad\\u0000input": {}}}', 422),
+    ("engine id with slash", "/v1/engines", b'{"id": "a/0", "endpoint": "tcp://h:1"}', 422),
+    ("engine id blank", "/v1/engines", b'{"id": " ", "endpoint": "tcp://h:1"}', 422),
+    ("engine id inner blank", "/v1/engines", b'{"id": "a b", "endpoint": "tcp://h:1"}', 422),
+    ("engine id newline", "/v1/engines", b'{"id": "a\\n", "endpoint": "tcp://h:1"}', 422),
+    ("engine id NUL", "/v1/engines", b'{"id": "a\\u0000", "endpoint": "tcp://h:1"}', 422),
+    ("engine id too long", "/v1/engines", b'{"id": "' + b"a" * 129 + b'", "endpoint": "tcp://h:1"}', 422),
+    ("engine ipc endpoint", "/v1/engines", b'{"id": "x", "endpoint": "ipc:///etc/passwd"}', 422),
+    ("engine inproc endpoint", "/v1/engines", b'{"id": "x", "endpoint": "inproc://x"}', 422),
+    ("engine ipc replay endpoint", "/v1/engines",
+     b'{"id": "x", "endpoint": "tcp://h:1", "replay_endpoint": "ipc:///tmp/x"}', 422),
+    ("cache_salt too long", "/v1/match", b'{"token_ids": [1], "cache_salt": "' + b"s" * 1025 + b'"}', 422),
+    ("lora_name too long", "/v1/match", b'{"token_ids": [1], "lora_name": "' + b"l" * 257 + b'"}', 422),
+    ("dynamo cache_salt too long", "/query",
+     b'{"token_ids": [1], "model_name": "m", "cache_salt": "' + b"s" * 1025 + b'"}', 422),
+    ("dynamo register ipc endpoint", "/register",
+     b'{"instance_id": 1, "endpoint": "ipc:///etc/passwd", "model_name": "m", "block_size": 16}', 400),
     ("dynamo query no model", "/query", b'{"token_ids": [1]}', 422),
     ("dynamo register bad block size", "/register",
      b'{"instance_id": 1, "endpoint": "tcp://h:1", "model_name": "m", "block_size": 0}', 422),
@@ -265,10 +295,10 @@ BAD = [
 
 @pytest.mark.parametrize("name,path,body,status", BAD, ids=[b[0] for b in BAD])
 def test_R_BAD_1_bad_requests_get_a_clear_4xx(api, pubs, name, path, body, status):
-    # Engines of two models with data, so "unknown model" is about the model, not an empty
-    # index, and a query without a model is ambiguous.
+    # Engines of two models with data (neither "default"), so "unknown model" is about the
+    # model, not an empty index, and a query without a model is ambiguous.
     p = pubs()
-    connect(api, "bad-input", p)
+    connect(api, "bad-input", p, model="m1")
     connect(api, "bad-input-2", pubs(), model="other")
     p.publish([store(toks(1, 2, BS), BS, 0, 2)])
     applied_through(api, "bad-input", 0)
@@ -276,7 +306,16 @@ def test_R_BAD_1_bad_requests_get_a_clear_4xx(api, pubs, name, path, body, statu
     assert st == status, res
     key = "detail" if path.startswith("/v1/") else "error"  # Dynamo's routes say "error"
     assert isinstance(res[key], str) and res[key]
+    if name.startswith(("candidate", "load key")):
+        assert res[key].startswith("malformed worker name") and "ASCII" in res[key]
+    if name.startswith("engine id"):
+        assert "engine id" in res[key] or "`$.id`" in res[key]
     assert api.get("/healthz")[0] == 200
+    # Nothing indexed was lost, the engine is healthy, and nothing was registered.
+    st, res = api.post("/v1/match", {"token_ids": toks(1, 2, BS), "model": "m1"})
+    assert st == 200 and res["workers"][0]["total_blocks"] == 2
+    assert worker(api, "bad-input")["health"] == "ok"
+    assert sorted(e["id"] for e in api.get("/v1/engines")[1]) == ["bad-input", "bad-input-2"]
 
 
 def test_R_BAD_2_oversized_requests_get_413(api):

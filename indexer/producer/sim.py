@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import xxhash
 
+from ..engines import parse_worker
 from ..route import Load, route
 from .events import Cleared, Removed, Stored, encode_batch
 
@@ -338,7 +339,7 @@ class IndexRouter:
     def choose(self, tokens: list[int], workers: list[str], loads: dict[str, Load]) -> str:
         res = self.index.match(tokens, model=self.model)
         # The workers are the candidates: parsed once here, not again as ``candidates``.
-        known = [(e, int(r), False) for e, _, r in (w.rpartition("/") for w in workers)]
+        known = [(e, r or 0, False) for e, r in map(parse_worker, workers)]
         worker: str = route(res, known, load=loads if self.use_load else None, prefill_load_scale=self.scale)["worker"]
         return worker
 
