@@ -43,3 +43,40 @@ def test_R_Q_3_cache_first_then_load_then_ties(idx):
     assert [x["worker"] for x in r["ranked"]] == ["c/0", "zz/3"]
     with pytest.raises(LookupError):
         idx.route(t, candidates=[])
+
+
+def test_R_Q_3_a_worker_that_never_connected_ranks_after_every_connected_one(idx):
+    from indexer.route import route
+
+    t = idx.t
+    res = idx.match([7] * 64)  # nothing cached anywhere: before, "a" won on its id
+    known = idx.model_workers()
+    link = {("a", 0): (False, False), ("b", 0): (False, True), ("c", 0): (True, True)}
+    r = route(res, known, link=link, load={"c/0": Load(0, 5)})
+    # b (connected once, down now) and c (up, though loaded) both beat a; c costs more than b.
+    assert [(x["worker"], x["connected"]) for x in r["ranked"]] == [("b/0", False), ("c/0", True), ("a/0", False)]
+    # Even the longest cached prefix does not make a never-connected worker win.
+    r = route(idx.match(t), known, link=link)
+    assert r["worker"] == "b/0" and r["ranked"][-1]["worker"] == "a/0" and r["ranked"][-1]["cached_blocks"] == 8
+    # With no transport (the library), every worker counts as connected.
+    assert all(x["connected"] is True for x in idx.route(t)["ranked"])
+    # Only when every candidate never connected does one of them win.
+    r = route(res, known, link={k: (False, False) for k in link})
+    assert r["worker"] == "a/0"
+
+
+@pytest.mark.parametrize("key", ["a/³", "a/١", "a/０", "a/01", "a//0", "a/0/0", "", "a b", "a\x00", "/0", "a/1024"])
+def test_R_Q_3_malformed_candidates_and_load_keys_are_refused_by_name(idx, key):
+    with pytest.raises(ValueError, match="malformed worker name") as e:
+        idx.route(idx.t, candidates=["b/0", key])
+    assert repr(key) in str(e.value)
+    with pytest.raises(ValueError, match="malformed worker name") as e:
+        idx.route(idx.t, load={key: Load(1, 1), "b/0": Load(0, 0)})
+    assert repr(key) in str(e.value)
+
+
+def test_R_Q_3_load_for_no_candidate_is_reported_unused(idx):
+    r = idx.route(idx.t, load={"a": Load(0, 1), "c/0": Load(0, 1), "nobody/0": Load(0, 9), "a/7": Load(0, 9)})
+    assert r["unused_load"] == ["a/7", "nobody/0"]
+    r = idx.route(idx.t, candidates=["b"], load={"a": Load(0, 1), "b/0": Load(0, 1)})
+    assert r["unused_load"] == ["a"]
