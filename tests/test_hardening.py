@@ -284,7 +284,7 @@ def test_R_OPS_1_ready_fraction_1_gates_readiness_on_every_engine(pubs):
         s.stop()
 
 
-def test_probes_answer_HEAD(sec):
+def test_R_OPS_1_probes_answer_HEAD(sec):
     for path in ("/healthz", "/readyz", "/health"):
         st, body, _ = raw(sec.port, "HEAD", path)
         assert (st, body) == (200, ""), path

@@ -66,7 +66,7 @@ def test_R_Q_3_a_worker_that_never_connected_ranks_after_every_connected_one(idx
 
 
 @pytest.mark.parametrize("key", ["a/³", "a/١", "a/０", "a/01", "a//0", "a/0/0", "", "a b", "a\x00", "/0", "a/1024"])
-def test_R_Q_3_malformed_candidates_and_load_keys_are_refused_by_name(idx, key):
+def test_R_BAD_4_malformed_candidates_and_load_keys_are_refused_by_name(idx, key):
     with pytest.raises(ValueError, match="malformed worker name") as e:
         idx.route(idx.t, candidates=["b/0", key])
     assert repr(key) in str(e.value)
@@ -75,7 +75,7 @@ def test_R_Q_3_malformed_candidates_and_load_keys_are_refused_by_name(idx, key):
     assert repr(key) in str(e.value)
 
 
-def test_R_Q_3_load_for_no_candidate_is_reported_unused(idx):
+def test_R_BAD_4_load_for_no_candidate_is_reported_unused(idx):
     r = idx.route(idx.t, load={"a": Load(0, 1), "c/0": Load(0, 1), "nobody/0": Load(0, 9), "a/7": Load(0, 9)})
     assert r["unused_load"] == ["a/7", "nobody/0"]
     r = idx.route(idx.t, candidates=["b"], load={"a": Load(0, 1), "b/0": Load(0, 1)})
