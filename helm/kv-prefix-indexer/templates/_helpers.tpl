@@ -28,3 +28,29 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
+
+{{/* The Secret holding the API token: the user's (auth.existingSecret), the chart's when
+auth.token is set, or empty (no token: the mutating routes are open). */}}
+{{- define "kvi.authSecret" -}}
+{{- if .Values.auth.existingSecret }}
+{{- .Values.auth.existingSecret }}
+{{- else if .Values.auth.token }}
+{{- include "kvi.fullname" . }}-auth
+{{- end }}
+{{- end }}
+
+{{/* Refuse values that would leak the token or lock everyone out. */}}
+{{- define "kvi.validate" -}}
+{{- if or (hasKey .Values.config "api_token") (hasKey .Values.config "api_token_file") }}
+{{- fail "set the API token with auth.token or auth.existingSecret, not under config (the ConfigMap is not a Secret)" }}
+{{- end }}
+{{- if hasKey .Values.config "auth_reads" }}
+{{- fail "set auth.authReads, not config.auth_reads (the ServiceMonitor needs to know)" }}
+{{- end }}
+{{- if and .Values.auth.token (lt (len .Values.auth.token) 16) }}
+{{- fail "auth.token: at least 16 characters (the service refuses a shorter one at start)" }}
+{{- end }}
+{{- if and .Values.auth.authReads (not (include "kvi.authSecret" .)) }}
+{{- fail "auth.authReads needs a token: set auth.token or auth.existingSecret" }}
+{{- end }}
+{{- end }}
