@@ -488,18 +488,22 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
         st["discovery"] = svc.discovery.status() if svc.discovery is not None else None
         return Response(ENC.encode(st), media_type=JSON)
 
-    @app.api_route("/healthz", methods=["GET", "HEAD"], tags=["ops"], summary="Process alive")
+    @app.get("/healthz", tags=["ops"], summary="Process alive (HEAD too)")
     async def healthz() -> Response:
         return Response(b'{"status":"ok"}', media_type=JSON)
 
-    @app.api_route("/readyz", methods=["GET", "HEAD"], tags=["ops"],
-                   summary="Ingest running (and, with ready_fraction > 0, that share of workers connected and not "
-                   "replaying); 503 otherwise. The reasons name every worker that is not healthy.",
-                   responses={503: {"description": "Not ready"}})
+    @app.get("/readyz", tags=["ops"],
+             summary="Ingest running (and, with ready_fraction > 0, that share of workers connected and not "
+             "replaying); 503 otherwise. The reasons name every worker that is not healthy. HEAD too.",
+             responses={503: {"description": "Not ready"}})
     async def readyz() -> Response:
         ok, reasons = svc.readiness()
         return Response(ENC.encode({"ready": ok, "reasons": reasons}), status_code=200 if ok else 503,
                         media_type=JSON)
+
+    # Probes may use HEAD (same answer, no body); one operation per path in the schema.
+    app.add_api_route("/healthz", healthz, methods=["HEAD"], include_in_schema=False)
+    app.add_api_route("/readyz", readyz, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/metrics", tags=["ops"], summary="Prometheus metrics (text format)", response_class=PlainTextResponse,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
