@@ -1,10 +1,14 @@
 """Deploy artefacts, tested with what runs here (no Docker engine, no helm): the chart's YAML
-parses and lints, every ``.Values`` path a template uses exists, the hand-rendered example in
-docs/deploy.md has the templates' shape, and the Dockerfile's install step works in a fresh
-virtual environment and its entry point starts."""
+parses and lints, every ``.Values`` path a template uses exists, the templates render (by a
+small Go-template interpreter below, the subset the chart uses) to the hand-rendered examples
+in docs/deploy.md, the token and NetworkPolicy switches render what they promise, and the
+Dockerfile's install step works in a fresh virtual environment and its entry point starts."""
 
 from __future__ import annotations
 
+import base64
+import copy
+import hashlib
 import json
 import os
 import re
@@ -29,10 +33,28 @@ def values() -> dict:
     return yaml.safe_load((CHART / "values.yaml").read_text())
 
 
+def yaml_blocks() -> list[str]:
+    return re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "deploy.md").read_text(), re.S)
+
+
 def rendered_example() -> str:
-    text = (ROOT / "docs" / "deploy.md").read_text()
-    blocks = re.findall(r"```yaml\n(.*?)```", text, re.S)
-    return next(b for b in blocks if "kind: Deployment" in b)
+    """docs/deploy.md's hand render of the default values (+ serviceMonitor)."""
+    return next(b for b in yaml_blocks() if "kind: Deployment" in b)
+
+
+def secure_values() -> dict:
+    """The values of docs/deploy.md's security example (token, authReads, NetworkPolicy)."""
+    return yaml.safe_load(next(b for b in yaml_blocks() if b.startswith("auth:")))
+
+
+def secure_example() -> str:
+    """What the docs say those values render (the manifests that change or appear)."""
+    return next(b for b in yaml_blocks() if "kind: NetworkPolicy" in b)
+
+
+def secure_pod_fragment() -> str:
+    """What the docs say the Deployment's pod template gains with a token."""
+    return next(b for b in yaml_blocks() if "KVI_API_TOKEN_FILE" in b and "kind:" not in b)
 
 
 def key_paths(text: str) -> set[str]:
@@ -74,9 +96,404 @@ def key_paths(text: str) -> set[str]:
             stack.append((indent - 1, "[]"))
         key = m.group(1)
         path = "/".join(k for _, k in stack) + "/" + key if stack else key
-        out.add(path)
+        if "X" not in path.split("/"):  # a key named by the values (a template action) is not shape
+            out.add(path)
         stack.append((indent, key))
     return out
+
+
+# A Go text/template interpreter for the subset the chart uses (there is no helm binary
+# here): trim markers, comments, define/include, if/else if/else, with/else, range/else,
+# variables, pipelines, parenthesised calls and the Sprig functions below. Anything else
+# raises, so a template change it cannot follow fails the tests instead of passing unread.
+
+class TemplateError(Exception):
+    """The template cannot be rendered (what ``helm template`` would refuse)."""
+
+
+class ChartFail(TemplateError):
+    """The chart's own ``fail`` or ``required``: the values are refused, with this message."""
+
+
+_SEGMENT = re.compile(r"{{(-\s)?(.*?)(\s-)?}}", re.S)
+_LEX = re.compile(r"""\s*(?:(?P<str>"(?:[^"\\]|\\.)*")|(?P<raw>`[^`]*`)|(?P<num>-?\d+(?:\.\d+)?)|(?P<decl>:=)"""
+                  r"""|(?P<op>[()|,])|(?P<var>\$\w*(?:\.\w+)*)|(?P<field>(?:\.\w+)+|\.)|(?P<ident>[A-Za-z_]\w*))""")
+_MISSING = object()
+
+
+def _lex(src: str) -> list[tuple[str, str]]:
+    out, pos = [], 0
+    while pos < len(src.rstrip()):
+        m = _LEX.match(src, pos)
+        if not m:
+            raise TemplateError(f"cannot read {src[pos:]!r}")
+        kind = m.lastgroup
+        out.append((kind, m.group(kind)))
+        pos = m.end()
+    return out
+
+
+def _pipeline(toks: list[tuple[str, str]], i: int = 0, close: str | None = None) -> tuple[tuple, int]:
+    """(declared variables, [command, ...]), each command a list of operands."""
+    decl: list[str] = []
+    j = i
+    while j < len(toks) and toks[j][0] == "var" or (j < len(toks) and toks[j] == ("op", ",")):
+        j += 1
+    if j < len(toks) and toks[j][0] == "decl":
+        decl = [v for k, v in toks[i:j] if k == "var"]
+        i = j + 1
+    cmds: list[list] = [[]]
+    while i < len(toks):
+        kind, v = toks[i]
+        if (kind, v) == ("op", ")"):
+            if close != ")":
+                raise TemplateError("unbalanced )")
+            return (decl, cmds), i + 1
+        if (kind, v) == ("op", "|"):
+            cmds.append([])
+        elif (kind, v) == ("op", "("):
+            sub, i = _pipeline(toks, i + 1, ")")
+            cmds[-1].append(("sub", sub))
+            continue
+        elif kind == "str":
+            cmds[-1].append(("lit", json.loads(v)))
+        elif kind == "raw":
+            cmds[-1].append(("lit", v[1:-1]))
+        elif kind == "num":
+            cmds[-1].append(("lit", float(v) if "." in v else int(v)))
+        elif kind == "ident" and v in ("true", "false", "nil"):
+            cmds[-1].append(("lit", {"true": True, "false": False, "nil": None}[v]))
+        elif kind in ("ident", "var", "field"):
+            cmds[-1].append((kind, v))
+        else:
+            raise TemplateError(f"unexpected {v!r}")
+        i += 1
+    if close:
+        raise TemplateError("missing )")
+    if not all(cmds):
+        raise TemplateError("empty command in a pipeline")
+    return (decl, cmds), i
+
+
+def _parse(src: str, defines: dict) -> list:
+    """Template text -> nodes; ``define`` blocks go to ``defines``."""
+    items: list[tuple[str, str]] = []
+    pos = 0
+    for m in _SEGMENT.finditer(src):
+        text = src[pos:m.start()]
+        if m.group(1):
+            text = text.rstrip()
+        if items and items[-1][0] == "trim":
+            text = text.lstrip()
+            items.pop()
+        items.append(("text", text))
+        items.append(("action", m.group(2).strip()))
+        if m.group(3):
+            items.append(("trim", ""))
+        pos = m.end()
+    text = src[pos:]
+    if items and items[-1][0] == "trim":
+        text = text.lstrip()
+        items.pop()
+    items.append(("text", text))
+
+    def block(i: int) -> tuple[list, int, str]:
+        nodes: list = []
+        while i < len(items):
+            kind, s = items[i]
+            i += 1
+            if kind == "text":
+                if s:
+                    nodes.append(("text", s))
+                continue
+            if s.startswith("/*"):
+                continue
+            word, _, rest = s.partition(" ")
+            if word in ("end", "else"):
+                return nodes, i, s
+            if word in ("if", "with"):
+                # [(condition, body), ...] for if / else if ...; then the else body.
+                conds, bodies = [_pipeline(_lex(rest))[0]], []
+                while True:
+                    body, i, stop = block(i)
+                    bodies.append(body)
+                    if stop == "end":
+                        break
+                    if len(bodies) > len(conds):
+                        raise TemplateError(f"{word}: {stop!r} after else")
+                    if stop.startswith(f"else {word} "):
+                        conds.append(_pipeline(_lex(stop[len(word) + 6:]))[0])
+                    elif stop != "else":
+                        raise TemplateError(f"{word}: unexpected {stop!r}")
+                other = bodies.pop() if len(bodies) > len(conds) else []
+                nodes.append((word, list(zip(conds, bodies)), other))
+            elif word == "range":
+                body, i, stop = block(i)
+                other = []
+                if stop == "else":
+                    other, i, stop = block(i)
+                if stop != "end":
+                    raise TemplateError(f"range: unexpected {stop!r}")
+                nodes.append(("range", _pipeline(_lex(rest))[0], body, other))
+            elif word == "define":
+                body, i, stop = block(i)
+                if stop != "end":
+                    raise TemplateError(f"define: unexpected {stop!r}")
+                defines[json.loads(rest)] = body
+            elif word in ("template", "block", "break", "continue"):
+                raise TemplateError(f"{word!r} is not supported here")
+            else:
+                nodes.append(("out", _pipeline(_lex(s))[0]))
+        return nodes, i, "EOF"
+
+    nodes, _, stop = block(0)
+    if stop != "EOF":
+        raise TemplateError(f"unexpected {stop!r}")
+    return nodes
+
+
+def _truth(v) -> bool:
+    if v is None or v is _MISSING:
+        return False
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, (int, float, str, list, dict, tuple)):
+        return bool(v)
+    return True
+
+
+def _text(v) -> str:
+    """A value as ``{{ }}`` prints it (Helm prints a missing value as nothing)."""
+    if v is None or v is _MISSING:
+        return ""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return str(int(v)) if v.is_integer() and abs(v) < 1e6 else repr(v)
+    if isinstance(v, (int, str)):
+        return str(v)
+    raise TemplateError(f"printing a {type(v).__name__} ({v!r}): Go would print its fmt form, use toYaml")
+
+
+def _to_yaml(v) -> str:
+    out = yaml.safe_dump(v, default_flow_style=False, sort_keys=True, width=10**6)
+    return out.removesuffix("\n...\n").rstrip("\n")
+
+
+def _print(*args) -> str:
+    out = ""
+    for n, a in enumerate(args):
+        if n and not isinstance(a, str) and not isinstance(args[n - 1], str):
+            out += " "
+        out += _text(a)
+    return out
+
+
+def _printf(fmt: str, *args) -> str:
+    it = iter(args)
+    return re.sub(r"%[sdv]", lambda m: _text(next(it)), fmt)
+
+
+def _trunc(n: int, s: str) -> str:
+    if n < 0 and len(s) + n > 0:
+        return s[len(s) + n:]
+    return s[:n] if n >= 0 else s
+
+
+def _indent(n: int, s: str) -> str:
+    return " " * n + s.replace("\n", "\n" + " " * n)
+
+
+def _required(msg: str, v):
+    if v is None or v == "":
+        raise ChartFail(msg)
+    return v
+
+
+def _fail(msg: str):
+    raise ChartFail(msg)
+
+
+def _set(d: dict, k: str, v) -> dict:
+    d[k] = v
+    return d
+
+
+def _first(pred, args):
+    for a in args:
+        if pred(_truth(a)):
+            return a
+    return args[-1]
+
+
+FUNCS = {
+    "and": lambda *a: _first(lambda t: not t, a),
+    "or": lambda *a: _first(lambda t: t, a),
+    "not": lambda v: not _truth(v),
+    "eq": lambda a, *b: any(a == x for x in b),
+    "ne": lambda a, b: a != b,
+    "lt": lambda a, b: a < b,
+    "len": len,
+    "empty": lambda v: not _truth(v),
+    "default": lambda d, v=None: v if _truth(v) else d,
+    "print": _print,
+    "printf": _printf,
+    "quote": lambda *a: " ".join(json.dumps(_text(x), ensure_ascii=False) for x in a if x is not None),
+    "trunc": _trunc,
+    "trimSuffix": lambda suf, s: s.removesuffix(suf),
+    "trim": lambda s: s.strip(),
+    "contains": lambda sub, s: sub in s,
+    "replace": lambda old, new, s: s.replace(old, new),
+    "indent": _indent,
+    "nindent": lambda n, s: "\n" + _indent(n, s),
+    "toYaml": _to_yaml,
+    "b64enc": lambda s: base64.b64encode(_text(s).encode()).decode(),
+    "sha256sum": lambda s: hashlib.sha256(s.encode()).hexdigest(),
+    "dict": lambda *kv: dict(zip(kv[::2], kv[1::2])),
+    "set": _set,
+    "hasKey": lambda d, k: k in d,
+    "deepCopy": copy.deepcopy,
+    "required": _required,
+    "fail": _fail,
+}
+
+
+class Chart:
+    """The chart's templates, parsed once; :meth:`render` evaluates them for given values."""
+
+    def __init__(self, path=CHART) -> None:
+        meta = yaml.safe_load((path / "Chart.yaml").read_text())
+        self.chart = {"Name": meta["name"], "Version": meta["version"], "AppVersion": meta["appVersion"]}
+        self.base = f"{meta['name']}/templates"
+        self.defines: dict[str, list] = {}
+        self.files: list[str] = []
+        for p in sorted((path / "templates").iterdir()):
+            name = f"{self.base}/{p.name}"
+            self.defines[name] = _parse(p.read_text(), self.defines)
+            if not p.name.startswith("_"):
+                self.files.append(name)
+
+    def render(self, values: dict, release: str = "kvi", namespace: str = "default") -> dict[str, str]:
+        """Every template file's output, by file name (``NOTES.txt`` included)."""
+        out = {}
+        for name in self.files:
+            root = {"Values": values, "Chart": self.chart, "Template": {"BasePath": self.base, "Name": name},
+                    "Release": {"Name": release, "Namespace": namespace, "Service": "Helm"}}
+            out[name.rsplit("/", 1)[1]] = self._include(name, root, root)
+        return out
+
+    def _include(self, name: str, dot, root) -> str:
+        if name not in self.defines:
+            raise TemplateError(f"no template {name!r}")
+        return "".join(self._run(self.defines[name], dot, {"$": root}))
+
+    def _run(self, nodes: list, dot, scope: dict):
+        scope = dict(scope)  # variables declared in a block end with it
+        for node in nodes:
+            kind = node[0]
+            if kind == "text":
+                yield node[1]
+            elif kind == "out":
+                v = self._pipe(node[1], dot, scope)
+                if not node[1][0]:
+                    yield _text(v)
+            elif kind in ("if", "with"):
+                for pipe, body in node[1]:
+                    v = self._pipe(pipe, dot, scope)
+                    if _truth(v):
+                        yield from self._run(body, v if kind == "with" else dot, scope)
+                        break
+                else:
+                    yield from self._run(node[2], dot, scope)
+            elif kind == "range":
+                pipe = node[1]
+                v = self._pipe((None, pipe[1]), dot, scope)
+                items = sorted(v.items()) if isinstance(v, dict) else list(enumerate(v or []))
+                for k, item in items:
+                    inner = dict(scope)
+                    if len(pipe[0]) == 1:
+                        inner[pipe[0][0]] = item
+                    elif len(pipe[0]) == 2:
+                        inner[pipe[0][0]], inner[pipe[0][1]] = k, item
+                    yield from self._run(node[2], item, inner)
+                if not items:
+                    yield from self._run(node[3], dot, scope)
+
+    def _pipe(self, pipe, dot, scope: dict):
+        decl, cmds = pipe
+        v = _MISSING
+        for cmd in cmds:
+            v = self._cmd(cmd, dot, scope, v)
+        if decl:
+            scope[decl[0]] = v
+        return v
+
+    def _cmd(self, cmd: list, dot, scope: dict, piped):
+        head = cmd[0]
+        if head[0] != "ident":
+            if len(cmd) > 1 or piped is not _MISSING:
+                raise TemplateError(f"{head[1]!r} is not a function")
+            return self._operand(head, dot, scope)
+        args = [self._operand(a, dot, scope) for a in cmd[1:]]
+        if piped is not _MISSING:
+            args.append(piped)
+        if head[1] == "include":
+            return self._include(args[0], args[1], scope["$"])
+        if head[1] not in FUNCS:
+            raise TemplateError(f"function {head[1]!r} is not known here")
+        return FUNCS[head[1]](*args)
+
+    def _operand(self, op, dot, scope: dict):
+        kind, v = op
+        if kind == "lit":
+            return v
+        if kind == "sub":
+            return self._pipe(v, dot, scope)
+        if kind == "ident":
+            return self._cmd([op], dot, scope, _MISSING)
+        if kind == "var":
+            name, *path = v.split(".")
+            if name not in scope:
+                raise TemplateError(f"undefined variable {name}")
+            node = scope[name]
+        else:
+            node, path = dot, [p for p in v.split(".") if p]
+        for part in path:
+            if isinstance(node, dict):
+                node = node.get(part)
+            else:
+                raise TemplateError(f"nil pointer evaluating {v} (at {part!r})")
+        return node
+
+
+def merged(base: dict, over: dict) -> dict:
+    """Helm's coalescing of user values over the chart's: maps merge, null removes a key."""
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if v is None:
+            out.pop(k, None)
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merged(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def render(overrides: dict | None = None) -> tuple[dict[str, list[dict]], str]:
+    """The manifests for these values (over values.yaml), by kind, and NOTES.txt."""
+    files = Chart().render(merged(values(), overrides or {}))
+    notes = files.pop("NOTES.txt")
+    kinds: dict[str, list[dict]] = {}
+    for text in files.values():
+        for d in yaml.safe_load_all(text):
+            if d:
+                kinds.setdefault(d["kind"], []).append(d)
+    return kinds, notes
+
+
+def one(kinds: dict[str, list[dict]], kind: str) -> dict:
+    assert len(kinds.get(kind, [])) == 1, f"{kind}: {len(kinds.get(kind, []))} rendered"
+    return kinds[kind][0]
 
 
 def test_chart_and_values_parse_with_what_helm_needs():
@@ -89,9 +506,13 @@ def test_chart_and_values_parse_with_what_helm_needs():
     from api.settings import load_settings
 
     s = load_settings(None, v["config"], env={})
-    assert s.ready_fraction == v["config"]["ready_fraction"]
+    assert s.ready_fraction == v["config"]["ready_fraction"] == 0  # ready once ingest runs (docs: Readiness)
+    assert s.allowed_endpoints == () and v["config"]["allowed_endpoints"] == []
+    # Security is opt-in: no token, no NetworkPolicy, unless the values say so.
+    assert v["auth"] == {"token": "", "existingSecret": "", "secretKey": "token", "authReads": False}
+    assert v["networkPolicy"] == {"enabled": False, "ingressFrom": [], "dnsTo": [], "engineEgress": []}
     assert {p.name for p in TEMPLATES} == {"configmap.yaml", "deployment.yaml", "service.yaml",
-                                          "servicemonitor.yaml", "pdb.yaml"}
+                                          "servicemonitor.yaml", "pdb.yaml", "secret.yaml", "networkpolicy.yaml"}
     assert (CHART / "templates" / "NOTES.txt").exists() and (CHART / "templates" / "_helpers.tpl").exists()
 
 
@@ -112,9 +533,12 @@ def test_the_hand_rendered_example_has_the_templates_shape():
     docs = [d for d in yaml.safe_load_all(rendered_example()) if d]
     kinds = {d["kind"]: d for d in docs}
     assert set(kinds) == {"ConfigMap", "Deployment", "Service", "ServiceMonitor", "PodDisruptionBudget"}
-    example_paths = {}
-    for d in docs:
-        example_paths[d["kind"]] = key_paths(yaml.safe_dump(d, sort_keys=False, default_flow_style=False))
+    secure = [d for d in yaml.safe_load_all(secure_example()) if d]
+    assert {d["kind"] for d in secure} == {"Secret", "ConfigMap", "ServiceMonitor", "NetworkPolicy"}
+    example_paths: dict[str, set[str]] = {}
+    for d in docs + secure:
+        example_paths.setdefault(d["kind"], set()).update(
+            key_paths(yaml.safe_dump(d, sort_keys=False, default_flow_style=False)))
     for t in TEMPLATES:
         text = t.read_text()
         kind = re.search(r"^kind: (\w+)", text, re.M).group(1)
@@ -136,11 +560,217 @@ def test_key_paths_sees_a_difference():
 
 
 def test_yamllint_is_clean(tmp_path):
-    example = tmp_path / "rendered.yaml"
-    example.write_text(rendered_example())
+    examples = []
+    for n, block in enumerate(yaml_blocks()):  # every YAML example of docs/deploy.md
+        examples.append(tmp_path / f"example-{n}.yaml")
+        examples[-1].write_text(block)
+    assert len(examples) >= 7
     r = subprocess.run([sys.executable, "-m", "yamllint", "-c", str(ROOT / ".yamllint"), str(CHART / "Chart.yaml"),
-                        str(CHART / "values.yaml"), str(example)], capture_output=True, text=True)
+                        str(CHART / "values.yaml"), *map(str, examples)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_renderer_follows_go_template_rules(tmp_path):
+    """The interpreter the chart tests rely on: trim markers, branches, scopes, pipelines,
+    and a refusal (not a silent blank) for what it or Go would not accept."""
+    (tmp_path / "templates").mkdir()
+    (tmp_path / "Chart.yaml").write_text("name: t\nversion: 0.0.1\nappVersion: '1'\n")
+
+    def out(src: str, v: dict | None = None) -> str:
+        (tmp_path / "templates" / "t.yaml").write_text(src)
+        return Chart(tmp_path).render(v or {})["t.yaml"]
+
+    assert out("a  {{- 1 -}}  \n b") == "a1b"
+    branches = "{{ if .Values.x }}x{{ else if .Values.y }}y{{ else }}z{{ end }}"
+    assert [out(branches, v) for v in ({"x": 1, "y": 1}, {"y": 1}, {"x": 0})] == ["x", "y", "z"]
+    with_else = "{{ with .Values.m }}{{ .k }}{{ else }}none{{ end }}"
+    assert out(with_else, {"m": {"k": "v"}}) == "v" and out(with_else, {"m": {}}) == "none"
+    each = "{{ range .Values.l }}[{{ . }}]{{ else }}empty{{ end }}"
+    assert out(each, {"l": [1, "b"]}) == "[1][b]" and out(each, {"l": []}) == "empty"
+    assert out('{{ $x := "a" }}{{ if true }}{{ $x := "b" }}{{ $x }}{{ end }}{{ $x }}') == "ba"
+    assert out('{{ .Values.s | default "d" | quote }}', {"s": ""}) == '"d"'
+    assert out("{{ toYaml .Values.m | nindent 2 }}", {"m": {"b": [1], "a": None}}) == "\n  a: null\n  b:\n  - 1"
+    assert out('{{ and 1 0 }} {{ or 0 "" "x" }} {{ not 0 }} {{ len "abc" | lt 2 }}') == "0 x true true"
+    assert out('{{ define "d" }}<{{ .n }}>{{ end }}{{ include "d" (dict "n" 7) }}') == "<7>"
+    for bad, err in (("{{ nosuch 1 }}", TemplateError), ("{{ .Values.a.b }}", TemplateError),
+                     ("{{ .Values.m }}", TemplateError), ("{{ if 1 }}open", TemplateError),
+                     ('{{ fail "refused" }}', ChartFail), ('{{ required "needed" .Values.a }}', ChartFail)):
+        with pytest.raises(err):
+            out(bad, {"m": {"k": 1}})
+
+
+def comparable(doc: dict) -> dict:
+    """A manifest as the docs can state it: the config parsed, the checksum left out."""
+    d = copy.deepcopy(doc)
+    if d["kind"] == "ConfigMap":
+        d["data"]["config.yaml"] = yaml.safe_load(d["data"]["config.yaml"])
+    if d["kind"] == "Deployment":
+        checksum = d["spec"]["template"]["metadata"]["annotations"].pop("checksum/config")
+        assert re.fullmatch(r"[0-9a-f]{64}", checksum)
+    return d
+
+
+def contains(big, small) -> bool:
+    """``small`` is part of ``big``: mappings key by key, list items each in some item."""
+    if isinstance(small, dict):
+        return isinstance(big, dict) and all(k in big and contains(big[k], v) for k, v in small.items())
+    if isinstance(small, list):
+        return isinstance(big, list) and all(any(contains(b, s) for b in big) for s in small)
+    return big == small
+
+
+def pod_spec(kinds: dict[str, list[dict]]) -> dict:
+    return one(kinds, "Deployment")["spec"]["template"]["spec"]
+
+
+def config_of(kinds: dict[str, list[dict]]) -> dict:
+    return yaml.safe_load(one(kinds, "ConfigMap")["data"]["config.yaml"])
+
+
+def test_the_templates_render_the_documented_example():
+    kinds, notes = render({"serviceMonitor": {"enabled": True}})
+    example = [d for d in yaml.safe_load_all(rendered_example()) if d]
+    assert sorted(kinds) == sorted(d["kind"] for d in example)
+    for d in example:
+        assert comparable(one(kinds, d["kind"])) == comparable(d), d["kind"]
+    assert pod_spec(kinds)["automountServiceAccountToken"] is False
+    assert "(scraped by the ServiceMonitor)" in notes
+
+
+def test_the_templates_render_the_documented_security_example(tmp_path):
+    v = secure_values()
+    kinds, notes = render(v)
+    for d in yaml.safe_load_all(secure_example()):
+        assert comparable(one(kinds, d["kind"])) == comparable(d), d["kind"]
+    assert contains(pod_spec(kinds), yaml.safe_load(secure_pod_fragment()))
+    assert "WARNING" not in notes and "Authorization: Bearer $TOKEN" in notes
+    # What the pods get is what the service accepts: the config, and the token from the
+    # mounted file (the Secret's key, written where KVI_API_TOKEN_FILE points).
+    from api.settings import load_settings
+
+    env = {e["name"]: e["value"] for e in pod_spec(kinds)["containers"][0]["env"]}
+    token_file = tmp_path / "token"
+    token_file.write_text(base64.b64decode(one(kinds, "Secret")["data"]["token"]).decode() + "\n")
+    assert env["KVI_API_TOKEN_FILE"] == "/var/run/secrets/kv-indexer/token"
+    s = load_settings(None, config_of(kinds), env={"KVI_API_TOKEN_FILE": str(token_file)})
+    assert s.api_token == v["auth"]["token"] and s.auth_reads is True
+    assert s.allowed_endpoints == ("*.vllm.svc.cluster.local",)
+
+
+TOKEN = "t0ken-for-the-chart-tests-0123456789"
+
+
+@pytest.mark.parametrize("auth, created, mounted, key", [
+    ({}, None, None, None),
+    ({"token": TOKEN}, "kvi-kv-prefix-indexer-auth", "kvi-kv-prefix-indexer-auth", "token"),
+    ({"existingSecret": "mine"}, None, "mine", "token"),
+    ({"token": TOKEN, "existingSecret": "mine"}, None, "mine", "token"),  # the user's Secret wins
+    ({"existingSecret": "mine", "secretKey": "api-token"}, None, "mine", "api-token"),
+    ({"token": TOKEN, "secretKey": "k"}, "kvi-kv-prefix-indexer-auth", "kvi-kv-prefix-indexer-auth", "k"),
+], ids=["none", "token", "existing", "both", "existing-key", "token-key"])
+def test_the_token_secret_and_its_mount(auth, created, mounted, key):
+    kinds, notes = render({"auth": auth})
+    secrets = kinds.get("Secret", [])
+    if created:
+        (s,) = secrets
+        assert s["metadata"]["name"] == created and s["type"] == "Opaque"
+        assert {k: base64.b64decode(x).decode() for k, x in s["data"].items()} == {key: TOKEN}
+    else:
+        assert secrets == []
+    pod = pod_spec(kinds)
+    (c,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert not {"KVI_API_TOKEN", "KVI_AUTH_READS"} & set(env)
+    if mounted:
+        assert env["KVI_API_TOKEN_FILE"] == "/var/run/secrets/kv-indexer/token"
+        assert mounts["api-token"] == {"name": "api-token", "mountPath": "/var/run/secrets/kv-indexer", "readOnly": True}
+        assert volumes["api-token"]["secret"] == {"secretName": mounted, "defaultMode": 0o440,
+                                                  "items": [{"key": key, "path": "token"}]}
+        assert "WARNING: no API token" not in notes and f"Secret {mounted} (key {key})" in notes
+    else:
+        assert "KVI_API_TOKEN_FILE" not in env and "api-token" not in mounts and "api-token" not in volumes
+        assert "WARNING: no API token" in notes and "can register and remove engines" in notes
+    assert set(mounts) == set(volumes)
+
+
+def test_the_token_never_reaches_the_configmap():
+    v = merged(values(), {"auth": {"token": TOKEN, "authReads": True}, "serviceMonitor": {"enabled": True},
+                          "networkPolicy": {"enabled": True}})
+    files = Chart().render(v)
+    encoded = base64.b64encode(TOKEN.encode()).decode()
+    assert encoded in files["secret.yaml"]
+    for name, text in files.items():
+        if name != "secret.yaml":
+            assert TOKEN not in text and encoded not in text, name
+    cm = one(render({"auth": v["auth"]})[0], "ConfigMap")
+    assert not {"api_token", "api_token_file"} & set(yaml.safe_load(cm["data"]["config.yaml"]))
+    # Values that would write it there are refused, not rendered.
+    for bad in ({"api_token": TOKEN}, {"api_token_file": "/etc/token"}):
+        with pytest.raises(ChartFail, match="not under config"):
+            render({"config": bad})
+
+
+def test_auth_reads_puts_metrics_behind_the_same_secret():
+    off, notes = render({"serviceMonitor": {"enabled": True}, "auth": {"existingSecret": "mine"}})
+    assert "authorization" not in one(off, "ServiceMonitor")["spec"]["endpoints"][0]
+    assert config_of(off)["auth_reads"] is False and "Reads (/v1/match" in notes
+    on, notes = render({"serviceMonitor": {"enabled": True},
+                        "auth": {"existingSecret": "mine", "secretKey": "api", "authReads": True}})
+    assert one(on, "ServiceMonitor")["spec"]["endpoints"][0]["authorization"] == {
+        "type": "Bearer", "credentials": {"name": "mine", "key": "api"}}
+    assert config_of(on)["auth_reads"] is True and "Reads (/v1/match" not in notes
+    assert "-H \"Authorization: Bearer $TOKEN\"" in notes and "jsonpath='{.data.api}'" in notes
+    # Refused: reads behind a token nobody has, auth_reads the ServiceMonitor would not see, a
+    # token the service would refuse at start.
+    with pytest.raises(ChartFail, match="needs a token"):
+        render({"auth": {"authReads": True}})
+    with pytest.raises(ChartFail, match="auth.authReads"):
+        render({"config": {"auth_reads": True}, "auth": {"existingSecret": "mine"}})
+    with pytest.raises(ChartFail, match="16"):
+        render({"auth": {"token": "too-short"}})
+
+
+def commented_example(key: str) -> list:
+    """The commented-out example under ``key: []`` in values.yaml, uncommented and parsed."""
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    start = next(n for n, s in enumerate(lines) if s.strip() == f"{key}: []")
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    body = []
+    for s in lines[start + 1:]:
+        if not s.startswith(" " * indent + "#  "):
+            break
+        body.append(s[indent + 3:])
+    return yaml.safe_load("\n".join(body))
+
+
+def test_the_network_policy_is_off_by_default_and_tight_when_on():
+    kinds, notes = render()
+    assert "NetworkPolicy" not in kinds and "networkPolicy.engineEgress" not in notes
+    kinds, notes = render({"networkPolicy": {"enabled": True}})
+    np = one(kinds, "NetworkPolicy")["spec"]
+    assert np["podSelector"] == one(kinds, "Deployment")["spec"]["selector"]
+    assert np["policyTypes"] == ["Ingress", "Egress"]
+    # The HTTP port, from the release's namespace only; out, DNS only (no engine yet: NOTES says so).
+    assert np["ingress"] == [{"from": [{"podSelector": {}}], "ports": [{"protocol": "TCP", "port": 8080}]}]
+    assert np["egress"] == [{"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}]
+    assert "networkPolicy.engineEgress" in notes
+
+
+def test_the_network_policy_renders_the_given_peers_and_ports():
+    peers = commented_example("ingressFrom")
+    dns = commented_example("dnsTo")
+    engines = commented_example("engineEgress")
+    assert peers and dns and {p["port"] for r in engines for p in r["ports"]} == {5557, 5600}
+    kinds, notes = render({"service": {"port": 9000},
+                           "networkPolicy": {"enabled": True, "ingressFrom": peers, "dnsTo": dns,
+                                             "engineEgress": engines}})
+    np = one(kinds, "NetworkPolicy")["spec"]
+    assert np["ingress"] == [{"from": peers, "ports": [{"protocol": "TCP", "port": 9000}]}]
+    assert np["egress"] == [{"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
+                             "to": dns}] + engines
+    assert "networkPolicy.engineEgress" not in notes
 
 
 def dockerfile() -> str:
@@ -215,7 +845,13 @@ def test_deploy_doc_names_the_vllm_flags_and_alerts(doc):
     text = (ROOT / "docs" / doc).read_text()
     for needle in ("--kv-events-config", "enable_kv_cache_events", '"publisher"', '"endpoint"', "replay_endpoint",
                    "self_describing_kv_events", "kvi_stale_workers", "kvi_replays_total", "kvi_payloads_dropped_total",
-                   "bytes per resident", "helm install"):
+                   "bytes per resident", "helm install",
+                   # Security and readiness (issue 15): what an operator greps for.
+                   "## 7. Security", "### Readiness", "KVI_API_TOKEN_FILE", "KVI_API_TOKEN`", "auth.existingSecret",
+                   "rollout restart", "WWW-Authenticate: Bearer", "401", "403", "auth_reads", "/metrics",
+                   "allowed_endpoints", "*.vllm.svc.cluster.local", "10.0.0.0/8", "before any socket",
+                   "networkPolicy.engineEgress", "networkPolicy.ingressFrom", "SECURITY:", "kv_indexer.audit",
+                   "kvi_engine_changes_total", "kvi_auth_failures_total", "ready_fraction", "/v1/workers"):
         assert needle in text, needle
     rules = next(b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "groups:" in b)
     assert yaml.safe_load(rules)["groups"][0]["rules"]
