@@ -244,12 +244,33 @@ def log_config(settings: Settings) -> dict[str, Any]:
     }
 
 
+def _fd_limit(max_workers: int) -> None:
+    """Raise the soft open-files limit to what ``max_workers`` may need (up to 4 sockets
+    a worker, plus HTTP connections), within the hard limit; warn when that is short."""
+    import resource
+
+    need = 4 * max_workers + 512
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    except (ValueError, OSError):
+        new = soft
+    if new < need:
+        logging.getLogger("kv_indexer.api").warning(
+            "open files limited to %d (hard limit %s): max_workers=%d may need %d; lower max_workers or raise "
+            "the limit", new, hard, max_workers, need)
+
+
 def serve(settings: Settings) -> None:
     import uvicorn
 
     from .app import create_app
 
     logging.config.dictConfig(log_config(settings))
+    _fd_limit(settings.max_workers)
     fleet = None
     index = None
     if settings.demo:

@@ -26,13 +26,13 @@ def free_port() -> int:
 class Server:
     """``kv-indexer serve`` as a child process; ``stop()`` ends it (the fixtures do)."""
 
-    def __init__(self, *args: str, env: dict | None = None) -> None:
+    def __init__(self, *args: str, env: dict | None = None, preexec_fn=None) -> None:
         self.port = free_port()
         # Open for the child's lifetime; stop() closes it.
         self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"kvi-serve-{self.port}.log", "w+")  # noqa: SIM115
         cmd = [sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})},
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+                                     stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
         deadline = time.monotonic() + 30
         while True:
             if self.proc.poll() is not None:

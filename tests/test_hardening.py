@@ -320,3 +320,35 @@ def test_a_query_without_model_keeps_meaning_default_when_a_second_model_joins(s
     wait_for(lambda: c.post("/v1/match", {"token_ids": toks(5, 2, BS)})[1].get("workers"), what="the blocks")
     st, res = c.post("/v1/match", {"token_ids": toks(5, 2, BS)})
     assert st == 200 and res["model"] == "default" and res["best"]["engine"] == "dflt"
+
+
+def _open_files_limit(pid: int) -> tuple[int, int]:
+    with open(f"/proc/{pid}/limits") as f:
+        lines = f.read().splitlines()
+    for line in lines:
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return int(soft), int(hard)
+    raise AssertionError("no open files line")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_R_SEC_2_the_open_files_limit_is_raised_for_max_workers():
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+
+    def low() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+
+    s = Server(env={"KVI_MAX_WORKERS": "100"}, preexec_fn=low)  # needs 4 x 100 + 512
+    try:
+        assert _open_files_limit(s.proc.pid)[0] == min(912, hard)
+    finally:
+        s.stop()
+    if hard != resource.RLIM_INFINITY and hard < 4 * 2048 + 512:
+        s = Server(preexec_fn=low)  # the default 2048 workers cannot fit: said at start
+        try:
+            wait_for(lambda: "open files limited" in s.output(), what="the warning")
+        finally:
+            s.stop()
