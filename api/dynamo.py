@@ -96,6 +96,10 @@ class Dynamo:
             await self.svc.unsubscribe(eid, "dynamo", q.dp_rank)
         else:
             await self.svc.unsubscribe(eid, "dynamo")
+        live = {c.model for c in self.svc.ingest.engines()}
+        for m in [m for m in self.partitions if m not in live]:  # bounded by the fleet, like the index's models
+            self.partitions.pop(m, None)
+            self.block_sizes.pop(m, None)
         return 200, OK
 
     async def query(self, q: schemas.DynQuery):

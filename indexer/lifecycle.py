@@ -42,9 +42,14 @@ class Lifecycle(Removal):
     def _remove_worker(self, w: _Worker) -> None:
         self._drop_worker_tiers(w, None)
         del self._workers[(w.engine, w.dp_rank)]
-        self._models[w.model].workers.pop(w.wid, None)
+        mo = self._models[w.model]
+        mo.workers.pop(w.wid, None)
         w.rows[w.wid] = None
         self._free_wids.append(w.wid)
+        if not mo.workers:
+            # Its last worker left: every node went with its residency, and its orphans
+            # can never be adopted. The table of models stays as large as the fleet.
+            del self._models[w.model]
 
     def _restart(self, w: _Worker) -> None:
         self._drop_worker_tiers(w, None)

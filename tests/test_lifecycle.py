@@ -180,3 +180,17 @@ def test_close_frees_everything():
     assert idx.stats()["nodes"] == 0
     with pytest.raises(KeyError):
         idx.match(t)
+
+
+def test_R_BAD_3_a_model_whose_last_worker_left_is_forgotten():
+    idx = PrefixIndex()
+    for i in range(50):  # models come and go (registrations of many names): the table stays small
+        apply(idx, [store(toks(i, 2, 16), 16, 0, 2)], engine=f"e{i}", model=f"m{i}")
+        idx.drop_worker(f"e{i}")
+    assert idx.models() == [] and idx.stats()["models"] == {}
+    apply(idx, [store(toks(1, 2, 16), 16, 0, 2)], engine="a", model="m")
+    idx.register_worker("b", 0, model="m")
+    idx.drop_worker("a")
+    assert idx.models() == ["m"]  # b is still there
+    with pytest.raises(KeyError, match="unknown model"):
+        idx.match(toks(1, 2, 16), model="m0")
