@@ -20,16 +20,16 @@ class Removal(IndexState):
     """What takes residency away."""
 
     if TYPE_CHECKING:  # defined by store.Store, the next room of PrefixIndex
-        def _tier(self, medium: object, ownership: object) -> int: ...
+        def _tier(self, medium: object, ownership: object, create: bool = True) -> int: ...
         def _group(self, ev: StoredEvent | RemovedEvent) -> int: ...
 
     def _on_remove(self, w: _Worker, ev: RemovedEvent) -> str:
         loc = ev.locality
         if loc is not None and loc.upper() == "REMOTE":
             return "remote_ignored"  # R-APP-11
-        tid = self._tier(ev.medium, ev.ownership)
+        tid = self._tier(ev.medium, ev.ownership, False)
         if tid < 0:
-            return "tier_limit"
+            return "unknown_hash"  # a tier nothing was ever stored to (or no tier at all)
         group = self._group(ev)
         wg = w.groups.get(group) if group >= 0 else None
         if wg is None:

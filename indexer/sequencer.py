@@ -78,7 +78,7 @@ def peek_ts(payload: bytes) -> float | None:
     """The batch timestamp alone (events are skipped, not decoded); None if unreadable."""
     try:
         return _ts_only.decode(payload).ts
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
 
 

@@ -31,16 +31,10 @@ class Store(Lifecycle):
         try:
             batch = decode_batch(payload)
         except DecodeError as e:
-            self._drop(engine, model, dp_rank, e.reason)
-            w = self._workers.get((engine, dp_rank or 0))
-            if w is not None and seq is not None and (w.last_seq is None or seq > w.last_seq):
-                w.last_seq = seq  # the sequence number was used, by a bad batch
-                w.refresh()
-            return "dropped", None
+            return self._bad_batch(engine, model, dp_rank, seq, e.reason)
         rank = batch.dp_rank if batch.dp_rank is not None else (dp_rank or 0)
         if rank.__class__ is not int or rank < 0 or rank > self.max_dp_rank:
-            self._drop(engine, model, dp_rank, "bad_dp_rank")
-            return "dropped", None
+            return self._bad_batch(engine, model, dp_rank, seq, "bad_dp_rank")
         w = self._worker(engine, rank, model)
         if seq is not None:
             last = w.last_seq
@@ -85,8 +79,20 @@ class Store(Lifecycle):
         self._count("batches_applied")
         return "applied", batch.ts
 
-    def _tier(self, medium: object, ownership: object) -> int:
-        """Tier id of an event (contract §1 Tier); -1 once ``max_tiers`` are in use."""
+    def _bad_batch(self, engine: str, model: str, dp_rank: int | None, seq: int | None,
+                   reason: str) -> tuple[str, None]:
+        """Count a batch dropped whole; its seq was used all the same (no gap after it)."""
+        self._drop(engine, model, dp_rank, reason)
+        w = self._workers.get((engine, dp_rank or 0))
+        if w is not None and seq is not None and (w.last_seq is None or seq > w.last_seq):
+            w.last_seq = seq  # the sequence number was used, by a bad batch
+            w.refresh()
+        return "dropped", None
+
+    def _tier(self, medium: object, ownership: object, create: bool = True) -> int:
+        """Tier id of an event (contract §1 Tier); -1 once ``max_tiers`` are in use, or,
+        with ``create`` False (a removal: nothing can be resident in a tier never
+        stored to), when the tier is not in use yet."""
         ck = medium if ownership is None else (medium, ownership)
         tid = self._tier_cache.get(ck)
         if tid is not None:
@@ -98,7 +104,7 @@ class Store(Lifecycle):
             name = f"{name}:{ownership}"
         tid = self._tier_ids.get(name)
         if tid is None:
-            if len(self._tier_names) >= self.max_tiers:
+            if not create or len(self._tier_names) >= self.max_tiers:
                 return -1
             tid = len(self._tier_names)
             self._tier_names.append(name)
@@ -136,6 +142,10 @@ class Store(Lifecycle):
         m = self._models[w.model]
         tree = m.trees.get(group)
         if tree is None:
+            # A group's first store fixes its block size and makes it a (headline) group:
+            # only once it is known to apply (its tokens read), never for a bad one.
+            if self._event_keys(ev, bs, n) is None:
+                return "bad_tokens"
             tree = m.trees[group] = Tree(group, bs, self.max_nodes is not None)
             m.set_kind(group, ev.kv_cache_spec_kind)
         elif tree.block_size != bs:

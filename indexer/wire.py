@@ -181,19 +181,26 @@ def decode_batch(payload: bytes) -> DecodedBatch:
     Raises
     ------
     DecodeError
-        When the bytes are not a 3-element batch array at all.
+        When the bytes are not a 3-element batch array at all, nest deeper than
+        Python's recursion limit, or carry a ts that is not a finite number (it orders
+        restarts and proves continuity: R-STR-5, R-STR-7).
     """
     try:
-        b = _map_batch.decode(payload)
-        return DecodedBatch(b.ts, b.events, b.data_parallel_rank, "map", {})
-    except msgspec.DecodeError:
-        pass
-    try:
-        b = _arr_batch.decode(payload)
-        return DecodedBatch(b.ts, b.events, b.data_parallel_rank, "array", {})
-    except msgspec.DecodeError:
-        pass
-    return _decode_slow(payload)
+        try:
+            b = _map_batch.decode(payload)
+            out = DecodedBatch(b.ts, b.events, b.data_parallel_rank, "map", {})
+        except msgspec.DecodeError:
+            try:
+                b = _arr_batch.decode(payload)
+                out = DecodedBatch(b.ts, b.events, b.data_parallel_rank, "array", {})
+            except msgspec.DecodeError:
+                out = _decode_slow(payload)
+    except RecursionError:  # msgspec's answer to a payload nested thousands deep
+        raise DecodeError("bad_payload", "nested too deeply") from None
+    ts = out.ts
+    if ts - ts != 0.0:  # NaN or +-inf (x - x is NaN for both)
+        raise DecodeError("bad_payload", f"batch ts {ts!r} is not a finite number")
+    return out
 
 
 def _decode_slow(payload: bytes) -> DecodedBatch:

@@ -194,3 +194,12 @@ def test_R_BAD_3_a_model_whose_last_worker_left_is_forgotten():
     assert idx.models() == ["m"]  # b is still there
     with pytest.raises(KeyError, match="unknown model"):
         idx.match(toks(1, 2, 16), model="m0")
+
+
+def test_R_STR_2_R_BAD_3_a_batch_dropped_for_its_dp_rank_used_its_seq():
+    idx = PrefixIndex()
+    apply(idx, [store(toks(1, 2, 16), 16, 0, 2)], seq=0)
+    assert idx.apply("e1", msgspec.msgpack.encode([1767225601.0, [], -1]), seq=1) == "dropped"
+    apply(idx, [store(toks(2, 2, 16), 16, 0, 2)], seq=2)
+    assert counter(idx, "sequence_gaps") == 0  # seq 1 was used (by a bad batch): no gap before 2
+    assert idx.workers()[0]["last_seq"] == 2 and idx.workers()[0]["dropped"] == {"bad_dp_rank": 1}
