@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .removal import Removal
-from .state import _EVENT_NAMES, DEFAULT_GROUP_KINDS, _Model, _Worker
+from .state import _EVENT_NAMES, DEFAULT_GROUP_KINDS, MAX_IDLE_MODELS, _Model, _Worker
 
 __all__ = ["Lifecycle"]
 
@@ -33,6 +33,8 @@ class Lifecycle(Removal):
         mo = self._models.get(model)
         if mo is None:
             mo = self._models[model] = _Model(model)
+        elif not mo.workers:
+            self._idle_models.pop(model, None)
         w = _Worker(wid, engine, rank, model, mo.rows)
         self._workers[(engine, rank)] = w
         mo.workers[wid] = w
@@ -47,9 +49,16 @@ class Lifecycle(Removal):
         w.rows[w.wid] = None
         self._free_wids.append(w.wid)
         if not mo.workers:
-            # Its last worker left: every node went with its residency, and its orphans
-            # can never be adopted. The table of models stays as large as the fleet.
-            del self._models[w.model]
+            # Its last worker left (its nodes went with their residency). Models come
+            # and go with registrations: past MAX_IDLE_MODELS idle ones, the oldest goes.
+            idle = self._idle_models
+            idle[w.model] = None
+            if len(idle) > MAX_IDLE_MODELS:
+                old = next(iter(idle))
+                del idle[old]
+                gone = self._models.pop(old)
+                for tree in gone.trees.values():
+                    tree.clear()
 
     def _restart(self, w: _Worker) -> None:
         self._drop_worker_tiers(w, None)

@@ -156,6 +156,9 @@ class ModelRequiredError(KeyError):
 
 
 
+MAX_IDLE_MODELS = 64
+
+
 class IndexState:
     """Empty state, the bounds and the counters (see :class:`indexer.PrefixIndex`
     for the parameters)."""
@@ -191,6 +194,9 @@ class IndexState:
         # under the GIL, where `+= 1` from several query threads could drift.
         self.readers_waiting: deque[None] = deque()
         self._models: dict[str, _Model] = {}
+        # Models whose last worker left, oldest first: kept (their groups and block sizes
+        # are what the next engine of the model will have), up to MAX_IDLE_MODELS.
+        self._idle_models: dict[str, None] = {}
         self._workers: dict[tuple[str, int], _Worker] = {}
         self._free_wids: list[int] = []
         self._next_wid = 0

@@ -182,18 +182,25 @@ def test_close_frees_everything():
         idx.match(t)
 
 
-def test_R_BAD_3_a_model_whose_last_worker_left_is_forgotten():
+def test_R_BAD_3_models_whose_last_worker_left_are_bounded():
+    from indexer.state import MAX_IDLE_MODELS
+
     idx = PrefixIndex()
-    for i in range(50):  # models come and go (registrations of many names): the table stays small
+    n = MAX_IDLE_MODELS + 50
+    for i in range(n):  # models come and go (registrations of many names): the table stays bounded
         apply(idx, [store(toks(i, 2, 16), 16, 0, 2)], engine=f"e{i}", model=f"m{i}")
         idx.drop_worker(f"e{i}")
-    assert idx.models() == [] and idx.stats()["models"] == {}
-    apply(idx, [store(toks(1, 2, 16), 16, 0, 2)], engine="a", model="m")
-    idx.register_worker("b", 0, model="m")
-    idx.drop_worker("a")
-    assert idx.models() == ["m"]  # b is still there
+    assert idx.models() == sorted(f"m{i}" for i in range(n - MAX_IDLE_MODELS, n))  # the newest idle ones
     with pytest.raises(KeyError, match="unknown model"):
         idx.match(toks(1, 2, 16), model="m0")
+    # An idle model keeps its structure for its next engine; a worker back makes it live.
+    idx.register_worker("back", 0, model=f"m{n - 1}")
+    assert idx.block_size(f"m{n - 1}") == 16
+    for i in range(MAX_IDLE_MODELS):
+        apply(idx, [store(toks(i, 2, 16), 16, 0, 2)], engine=f"x{i}", model=f"x{i}")
+        idx.drop_worker(f"x{i}")
+    assert f"m{n - 1}" in idx.models()  # not idle: never evicted
+    assert len(idx.models()) == MAX_IDLE_MODELS + 1
 
 
 def test_R_STR_2_R_BAD_3_a_batch_dropped_for_its_dp_rank_used_its_seq():
