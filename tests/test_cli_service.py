@@ -135,7 +135,7 @@ def test_the_demo_serves_real_answers_within_seconds(mooncake_trace, serve):
 
     s = serve("--demo", "--demo-speedup", "20")
     api = s.client
-    wait_for(lambda: len(api.get("/v1/workers")[1]) == 8 and api.get("/readyz")[0] == 200,
+    wait_for(lambda: len(api.get("/v1/workers")[1]) == 8 and api.get("/readyz")[1]["reasons"] == [],
              timeout=20, what="8 demo workers connected")
     wait_for(lambda: api.get("/v1/stats")[1]["resident_entries"] > 1000, timeout=20, what="demo blocks")
     prompt = json.loads(run_cli("demo-prompt", "0").stdout)

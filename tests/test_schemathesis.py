@@ -16,7 +16,7 @@ from api.app import create_app
 from api.settings import Settings
 from evkit import store, toks
 from indexer.producer.publisher import VllmPublisher
-from svc import Server, wait_for
+from svc import Server, wait_for, wait_subscribed
 
 EXAMPLES = int(os.environ.get("KVI_FUZZ_EXAMPLES", "40"))  # raise it for a deeper local run
 MAX_TOKENS = 4096
@@ -35,7 +35,7 @@ def base_url():
         st, _ = s.client.call("POST", "/v1/engines", json.dumps({"id": "fuzz", "endpoint": pub.live_endpoint}).encode(),
                               AUTH)
         assert st == 201
-        wait_for(lambda: s.client.get("/readyz")[0] == 200, what="the engine to connect")
+        wait_subscribed(s.client, pub, "fuzz")  # /readyz is 200 at once (ready_fraction 0)
         pub.publish([store(toks(0, 4, 16), 16, 0, 4)])
         wait_for(lambda: s.client.get("/v1/stats")[1]["resident_entries"] == 4, what="the blocks")
         yield f"http://127.0.0.1:{s.port}"

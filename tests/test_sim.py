@@ -164,7 +164,8 @@ def test_the_http_router_routes_a_fleet_through_a_running_service(serve):
     fleet = Fleet(2, 1, gpu_blocks=1024)
     try:
         s = serve(env={"KVI_ENGINES": json.dumps(fleet.engine_configs())})
-        wait_for(lambda: s.client.get("/readyz")[0] == 200, what="the fleet connected")
+        # Ready since ingest runs (ready_fraction 0); no reasons = every worker connected.
+        wait_for(lambda: s.client.get("/readyz")[1]["reasons"] == [], what="the fleet connected")
         reqs = list(synthetic_requests(40, prefixes=2, prefix_tokens=512, suffix_tokens=64, rate=1000))
         rep = simulate(reqs, fleet.sims, HttpRouter(f"http://127.0.0.1:{s.port}"))
         assert rep.requests == 40 and sum(w["requests"] for w in rep.per_worker.values()) == 40
