@@ -9,25 +9,37 @@ and offload like vLLM's, publishing exactly the KV events vLLM would.
   (real ZMQ, replay socket, any wire layout) or a callable (in-process).
 * Requests: the Mooncake conversation trace (each ``hash_id`` is 512 deterministic token ids)
   or a synthetic generator, timed by the trace's timestamps at a chosen speed-up.
-* Routers: round robin, least loaded, or the index (``indexer.route``: cached prefix
-  against load; in-process or over HTTP with :class:`HttpRouter`).
-* A load model per worker: prefill runs FIFO at ``prefill_tps`` tokens/s, then the request
-  decodes for ``output_length / decode_tps`` s; that gives the queued prefill tokens and
-  decode blocks a load-aware router sees, and a time to first token per request.
+* Routers (:mod:`indexer.producer.routers`): round robin, least loaded, the index
+  (with the caller's load, with none, or on the cached prefix alone; in-process or over
+  HTTP with :class:`HttpRouter`), and :class:`Oracle`, which sees every engine's cache
+  and queue.
+* Time (:mod:`indexer.producer.fleet_time`), on the trace's own clock (:class:`SimClock`,
+  which an index can take as its ``clock``): each worker prefills FIFO at ``prefill_tps`` tokens/s (a request starts
+  when it arrives or when the worker's previous prefill ends, whichever is later, and
+  computes what its worker's cache does not hold), then decodes for
+  ``output_length / decode_tps`` s. That gives the queued prefill tokens and decode
+  blocks a load-aware router sees, and a time to first token (prefill end - arrival).
+  A request's events are published when its prefill ends, and reach the engine's sink
+  ``event_delay_s`` later (vLLM announces blocks once computed), so a router learns of
+  a request's blocks only then.
 
 :func:`simulate` replays requests through a fleet with one router and returns the
 report a routing team wants: hit rates (GPU, CPU, total), prefill tokens saved, load
-balance and TTFT per engine. ``python -m indexer.producer.sim`` prints it for each policy.
+balance and TTFT (mean, percentiles) per engine; :func:`versus` sets policies against
+the oracle. ``python -m indexer.producer.sim`` prints it for each policy.
 
 Simplifications (stated, not hidden): a request's blocks are freed (evictable) as soon as
 it is admitted; a cache touches a prompt's blocks tail first, so the LRU end is always a
 leaf and eviction never cuts a chain in the middle (vLLM's free queue has the same
-tail-first order); blocks loaded from the CPU tier are stored on the GPU again.
+tail-first order); blocks loaded from the CPU tier are stored on the GPU again. An engine
+serves a request's cache lookup when the request is routed, not when its prefill starts:
+a worker's cache changes only through its own requests, in FIFO order, so the lookup sees
+exactly the cache the prefill would find. Prefills do not overlap on a worker (no
+chunked-prefill batching), and decoding does not slow prefill.
 """
 
 from __future__ import annotations
 
-import heapq
 import json
 import math
 import os
@@ -39,13 +51,13 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import xxhash
 
-from ..engines import parse_worker
-from ..route import Load, route
 from .events import Cleared, Removed, Stored, encode_batch
+from .fleet_time import Oracle, Report, SimClock, simulate, versus
+from .routers import HttpRouter, IndexRouter, LeastLoaded, RoundRobin, Router
 
 if TYPE_CHECKING:
     from msgspec import Struct
@@ -55,8 +67,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SimEngine", "Request", "trace_requests", "synthetic_requests", "RoundRobin", "LeastLoaded",
-    "IndexRouter", "HttpRouter", "simulate", "Fleet", "TRACE", "fleet_engines", "compare_policies", "index_sink",
-    "engine_hashes", "trace_tokens",
+    "IndexRouter", "HttpRouter", "Oracle", "Router", "SimClock", "simulate", "versus", "Fleet", "TRACE",
+    "fleet_engines", "compare_policies", "index_sink", "engine_hashes", "trace_tokens", "POLICIES",
 ]
 
 TRACE = Path(os.environ.get(
@@ -204,11 +216,16 @@ class SimEngine:
                 self.sink(events)
         return Served(n, g, cpu_hit, len(events))
 
-    def probe(self, tokens: list[int]) -> tuple[int, int]:
+    def hashes(self, tokens: list[int]) -> list[int]:
+        """The prompt's block hashes as this engine computes them (:func:`engine_hashes`)."""
+        return engine_hashes(tokens, self.block_size)
+
+    def probe(self, tokens: list[int], hashes: list[int] | None = None) -> tuple[int, int]:
         """What the engine would find for ``tokens`` right now, changing nothing:
         (GPU prefix blocks, CPU continuation blocks after it) — the ground truth an
-        index's ``tiers["GPU"]`` and ``total_blocks`` should match."""
-        hs = engine_hashes(tokens, self.block_size)
+        index's ``tiers["GPU"]`` and ``total_blocks`` should match. ``hashes``: the
+        prompt's :func:`engine_hashes` at this engine's block size, if already known."""
+        hs = engine_hashes(tokens, self.block_size) if hashes is None else hashes
         with self.lock:
             return self._hits(hs)
 
@@ -261,208 +278,22 @@ class SimEngine:
 
 
 def index_sink(
-    index: PrefixIndex, engine: str, dp_rank: int = 0, model: str = "default", version: str = "0.33"
+    index: PrefixIndex, engine: str, dp_rank: int = 0, model: str = "default", version: str = "0.33",
+    clock: Callable[[], float] = time.time,
 ) -> Callable[[list[Struct]], None]:
-    """A sink that applies each batch to an in-process index, encoded as vLLM encodes it."""
+    """A sink that applies each batch to an in-process index, encoded as vLLM encodes it
+    (the batch's ``ts`` from ``clock``)."""
     seq = [0]
 
     def sink(events: list[Struct]) -> None:
-        index.apply(engine, encode_batch(events, ts=time.time(), dp_rank=dp_rank, version=version),
+        index.apply(engine, encode_batch(events, ts=clock(), dp_rank=dp_rank, version=version),
                     model=model, dp_rank=dp_rank, seq=seq[0])
         seq[0] += 1
 
     return sink
 
 
-# -------------------------------------------------------------------- routers
-
-
-class _Busy:
-    """The load model of one worker: FIFO prefill, then decode (seconds of sim time)."""
-
-    __slots__ = ("busy_until", "decoding", "decode_blocks")
-
-    def __init__(self) -> None:
-        self.busy_until = 0.0
-        self.decoding: list[tuple[float, int]] = []  # heap of (finish time, blocks)
-        self.decode_blocks = 0
-
-    def load(self, now: float, prefill_tps: float) -> Load:
-        d = self.decoding
-        while d and d[0][0] <= now:
-            self.decode_blocks -= heapq.heappop(d)[1]
-        return Load(int(max(0.0, self.busy_until - now) * prefill_tps), self.decode_blocks)
-
-
-class Router(Protocol):
-    """What :func:`simulate` asks of a routing policy (its ``name``, if any, labels the report)."""
-
-    def choose(self, tokens: list[int], workers: list[str], loads: dict[str, Load]) -> str: ...
-
-
-class RoundRobin:
-    name = "round_robin"
-
-    def __init__(self) -> None:
-        self.i = -1
-
-    def choose(self, tokens: list[int], workers: list[str], loads: dict[str, Load]) -> str:
-        self.i += 1
-        return workers[self.i % len(workers)]
-
-
-class LeastLoaded:
-    """Fewest queued prefill blocks plus decode blocks (the route cost with nothing cached)."""
-
-    name = "least_loaded"
-
-    def __init__(self, block_size: int = 16) -> None:
-        self.block_size = block_size
-
-    def choose(self, tokens: list[int], workers: list[str], loads: dict[str, Load]) -> str:
-        bs = self.block_size
-        return min(workers, key=lambda w: (math.ceil(loads[w][0] / bs) + loads[w][1], w))
-
-
-class IndexRouter:
-    """The index's answer (``indexer.route``) over an in-process :class:`PrefixIndex`;
-    ``use_load=False`` routes on the cached prefix alone (ties: engine order)."""
-
-    def __init__(self, index: PrefixIndex, model: str = "default", prefill_load_scale: float = 1.0,
-                 use_load: bool = True) -> None:
-        self.index = index
-        self.model = model
-        self.scale = prefill_load_scale
-        self.use_load = use_load
-        self.name = "index" if use_load else "index_cache_only"
-
-    def choose(self, tokens: list[int], workers: list[str], loads: dict[str, Load]) -> str:
-        res = self.index.match(tokens, model=self.model)
-        # The workers are the candidates: parsed once here, not again as ``candidates``.
-        known = [(e, r or 0, False) for e, r in map(parse_worker, workers)]
-        worker: str = route(res, known, load=loads if self.use_load else None, prefill_load_scale=self.scale)["worker"]
-        return worker
-
-
-class HttpRouter:
-    """The service's ``POST /v1/route`` answer (keep-alive connection)."""
-
-    name = "index_http"
-
-    def __init__(self, url: str, model: str = "default") -> None:
-        import http.client
-        from urllib.parse import urlsplit
-
-        u = urlsplit(url)
-        self.conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=30)  # type: ignore[arg-type]  # no host: fails here
-        self.model = model
-
-    def choose(self, tokens: list[int], workers: list[str], loads: dict[str, Load]) -> str:
-        body = json.dumps({"token_ids": tokens, "model": self.model, "candidates": workers,
-                           "load": {w: {"active_prefill_tokens": a, "active_decode_blocks": b}
-                                    for w, (a, b) in loads.items()}}).encode()
-        self.conn.request("POST", "/v1/route", body, {"content-type": "application/json"})
-        r = self.conn.getresponse()
-        doc = json.loads(r.read())
-        if r.status != 200:
-            raise RuntimeError(f"/v1/route answered {r.status}: {doc}")
-        worker: str = doc["worker"]
-        return worker
-
-
-# ------------------------------------------------------------------ simulate
-
-
-class Report(NamedTuple):
-    policy: str
-    requests: int
-    prompt_tokens: int
-    gpu_hit_tokens: int
-    cpu_hit_tokens: int
-    per_worker: dict[str, dict[str, int]]  # worker -> {"requests", "prompt_tokens", "computed_tokens", "hit_tokens"}
-    ttft_s: list[float]  # per request, in request order
-    timeline: list[tuple[float, int, int]]  # (t, prompt tokens, hit tokens) per request
-
-    @property
-    def hit_rate(self) -> float:
-        return (self.gpu_hit_tokens + self.cpu_hit_tokens) / max(1, self.prompt_tokens)
-
-    def summary(self) -> dict[str, Any]:
-        """The figures a routing team asks for, JSON-able."""
-        computed = [w["computed_tokens"] for w in self.per_worker.values()]
-        mean = sum(computed) / max(1, len(computed))
-        tt = sorted(self.ttft_s)
-
-        def pct(q: float) -> float | None:
-            return tt[min(len(tt) - 1, max(0, math.ceil(q * len(tt)) - 1))] if tt else None
-
-        p = max(1, self.prompt_tokens)
-        return {
-            "policy": self.policy,
-            "requests": self.requests,
-            "prompt_tokens": self.prompt_tokens,
-            "gpu_hit_rate": self.gpu_hit_tokens / p,
-            "cpu_hit_rate": self.cpu_hit_tokens / p,
-            "hit_rate": self.hit_rate,
-            "prefill_tokens_saved": self.gpu_hit_tokens + self.cpu_hit_tokens,
-            "prefill_tokens_computed": self.prompt_tokens - self.gpu_hit_tokens - self.cpu_hit_tokens,
-            "load_imbalance": (max(computed) / mean) if mean else None,
-            "ttft_p50_s": pct(0.5),
-            "ttft_p99_s": pct(0.99),
-            "per_worker": self.per_worker,
-        }
-
-
-def simulate(requests: Iterable[Request], engines: list[SimEngine], router: Router, *, prefill_tps: float = 20_000.0,
-             decode_tps: float = 40.0, realtime: bool = False, stop: threading.Event | None = None) -> Report:
-    """Serve ``requests`` on ``engines``, each to the worker ``router`` picks.
-
-    ``realtime`` sleeps until each request's arrival time (the demo); otherwise the
-    replay runs as fast as it can, on the trace's own clock.
-    """
-    names = [e.name for e in engines]
-    by_name = dict(zip(names, engines))
-    busy = {n: _Busy() for n in names}
-    per = {n: {"requests": 0, "prompt_tokens": 0, "computed_tokens": 0, "hit_tokens": 0} for n in names}
-    gpu_hit = cpu_hit = total = count = 0
-    ttft: list[float] = []
-    timeline: list[tuple[float, int, int]] = []
-    start = time.monotonic()
-    for req in requests:
-        if stop is not None and stop.is_set():
-            break
-        if realtime:
-            delay = req.t - (time.monotonic() - start)
-            # (time.sleep's None: go on)
-            if delay > 0 and (stop.wait(delay) if stop is not None else time.sleep(delay)):  # type: ignore[func-returns-value]
-                break
-        now = req.t
-        loads = {n: busy[n].load(now, prefill_tps) for n in names}
-        w = router.choose(req.tokens, names, loads)
-        eng = by_name[w]
-        got = eng.serve(req.tokens)
-        bs = eng.block_size
-        hit_tok = (got.gpu_hit + got.cpu_hit) * bs
-        ntok = len(req.tokens)
-        computed = ntok - hit_tok
-        b = busy[w]
-        done = max(now, b.busy_until) + computed / prefill_tps
-        b.busy_until = done
-        blocks = math.ceil((ntok + req.output_length) / bs)
-        heapq.heappush(b.decoding, (done + req.output_length / decode_tps, blocks))
-        b.decode_blocks += blocks
-        ttft.append(done - now)
-        pw = per[w]
-        pw["requests"] += 1
-        pw["prompt_tokens"] += ntok
-        pw["computed_tokens"] += computed
-        pw["hit_tokens"] += hit_tok
-        gpu_hit += got.gpu_hit * bs
-        cpu_hit += got.cpu_hit * bs
-        total += ntok
-        count += 1
-        timeline.append((now, ntok, hit_tok))
-    return Report(getattr(router, "name", type(router).__name__), count, total, gpu_hit, cpu_hit, per, ttft, timeline)
+# --------------------------------------------------------------------- fleets
 
 
 class Fleet:
@@ -520,41 +351,55 @@ class Fleet:
 
 
 def fleet_engines(engines: int, dp_size: int = 1, *, index: PrefixIndex | None = None, model: str = "default",
-                  version: str = "0.33",
+                  version: str = "0.33", clock: Callable[[], float] = time.time,
                   **engine_options: Any) -> list[SimEngine]:
-    """In-process engines; with ``index``, each publishes straight into it (encoded as vLLM does)."""
+    """In-process engines; with ``index``, each publishes straight into it (encoded as
+    vLLM does, batch timestamps from ``clock``)."""
     out = []
     for e in range(engines):
         for r in range(dp_size):
             sink = None
             if index is not None:
                 index.register_worker(f"sim-{e}", r, model=model)
-                sink = index_sink(index, f"sim-{e}", r, model, version)
+                sink = index_sink(index, f"sim-{e}", r, model, version, clock)
             out.append(SimEngine(f"sim-{e}", r, sink=sink, **engine_options))
     return out
+
+
+POLICIES = ("round_robin", "least_loaded", "index", "index_no_load", "index_cache_only", "oracle")
 
 
 def compare_policies(requests: list[Request], engines: int = 8, *,
                      policies: Iterable[str] = ("round_robin", "least_loaded", "index"),
                      dp_size: int = 1, prefill_tps: float = 20_000.0, decode_tps: float = 40.0,
+                     event_delay_s: float | None = 0.05, index_options: dict[str, Any] | None = None,
+                     decode_load: bool = True, prefill_load_scale: float = 1.0,
                      **engine_options: Any) -> list[Report]:
-    """One fresh fleet per policy, the same requests: the reports, in ``policies`` order."""
+    """One fresh fleet per policy (:data:`POLICIES`), the same requests: the reports, in
+    ``policies`` order. Each fleet publishes into its own ``PrefixIndex(**index_options)``
+    that runs on the simulation's clock; ``decode_load`` false passes the ``index``
+    policy the queued prefill tokens alone."""
     from ..index import PrefixIndex
 
     out = []
     for name in policies:
-        idx = PrefixIndex()
-        fleet = fleet_engines(engines, dp_size, index=idx, **engine_options)
+        clock = SimClock(requests[0].t if requests else 0.0)
+        idx = PrefixIndex(clock=clock, **(index_options or {}))
+        fleet = fleet_engines(engines, dp_size, index=idx, clock=clock, **engine_options)
         router: Router
         if name == "round_robin":
             router = RoundRobin()
         elif name == "least_loaded":
             router = LeastLoaded()
-        elif name in ("index", "index_cache_only"):
-            router = IndexRouter(idx, use_load=name == "index")
+        elif name in ("index", "index_no_load", "index_cache_only"):
+            router = IndexRouter(idx, mode={"index": "load", "index_no_load": "no_load"}.get(name, "cache_only"),
+                                 decode_load=decode_load, prefill_load_scale=prefill_load_scale)
+        elif name == "oracle":
+            router = Oracle(fleet)
         else:
             raise ValueError(f"unknown policy {name!r}")
-        out.append(simulate(requests, fleet, router, prefill_tps=prefill_tps, decode_tps=decode_tps))
+        out.append(simulate(requests, fleet, router, prefill_tps=prefill_tps, decode_tps=decode_tps,
+                            event_delay_s=event_delay_s, clock=clock))
         idx.close()
     return out
 
