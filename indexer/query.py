@@ -62,37 +62,95 @@ class Query(Lifecycle):
         OverflowError, TypeError
             When a token id is not an int in ``[0, 2**32-1]``.
         """
+        return self._match_tokens(token_ids, model, lora_name, cache_salt, extra_keys)[0]
+
+    def _match_tokens(self, token_ids: Sequence[int], model: str | None, lora_name: str | None,
+                      cache_salt: str | None, extra_keys: Sequence[Any] | None = None
+                      ) -> tuple[MatchResult, _KeysFor, int]:
+        """:meth:`match`, plus the query's key source and its token count (for a route
+        to record). Predictions, when the model has any, come in ``predicted``."""
         buf = token_ids if token_ids.__class__ is bytes else tokens_to_bytes(token_ids)
         ntok = len(buf) // 4
+        cache: dict[int, _LazyKeys] = {}
+
+        def keys_for(bs: int) -> Iterator[list[int]]:
+            ks = cache.get(bs)
+            if ks is None:
+                n = ntok // bs
+                if not lora_name and cache_salt is None and not extra_keys:
+                    seed: Any = KEY_SEED
+                else:
+                    ek = query_extra_keys(n, cache_salt, extra_keys)
+                    seed = seeds_for_blocks(n, lora_name, ek)
+                ks = cache[bs] = _LazyKeys(buf, bs, seed, n)
+            return ks.chunks()
+
         self.readers_waiting.append(None)
         with self._lock:
             self.readers_waiting.pop()
             m = self._model(model)
-            cache: dict[int, _LazyKeys] = {}
+            res = self._match(m, keys_for, ntok)
+            tries = self.inflight.tries
+            if tries and m.name in tries:
+                res = self._with_predictions(res, keys_for)
+            return res, keys_for, ntok
 
-            def keys_for(bs: int) -> Iterator[list[int]]:
-                ks = cache.get(bs)
-                if ks is None:
-                    n = ntok // bs
-                    if not lora_name and cache_salt is None and not extra_keys:
-                        seed: Any = KEY_SEED
-                    else:
-                        ek = query_extra_keys(n, cache_salt, extra_keys)
-                        seed = seeds_for_blocks(n, lora_name, ek)
-                    ks = cache[bs] = _LazyKeys(buf, bs, seed, n)
-                return ks.chunks()
-
-            return self._match(m, keys_for, ntok)
+    def _with_predictions(self, res: MatchResult, keys_for: _KeysFor) -> MatchResult:
+        """``res`` with the blocks routed prompts will add beyond what each worker announced."""
+        bs = res.block_size or self.default_block_size
+        pred = self.inflight.predicted(res.model, keys_for(bs), self._clock())
+        if not pred:
+            return res
+        totals = {(w[2], w[3]): -w[1] for w in res.workers}
+        credit = self.predicted_credit
+        extra = [(d - totals.get(k, 0), k) for k, d in pred.items() if d > totals.get(k, 0)]
+        if not extra:
+            return res
+        extra.sort(key=lambda x: (-x[0], x[1]))
+        return res._replace(predicted=tuple((k[0], k[1], n, n * credit) for n, k in extra))
 
     def route(self, token_ids: Sequence[int], *, model: str | None = "default", lora_name: str | None = None,
               cache_salt: str | None = None, load: Mapping[str, Load] | None = None,
-              candidates: Iterable[str] | None = None, prefill_load_scale: float = 1.0) -> dict[str, Any]:
-        """The best worker for a prompt: :meth:`match` weighed against ``load``
-        (:func:`indexer.route.route`; the ``POST /v1/route`` body). Writes what
-        :meth:`match` writes: at most the ranking cache."""
-        res = self.match(token_ids, model=model, lora_name=lora_name, cache_salt=cache_salt)
-        return route(res, self.model_workers(res.model), load=load, candidates=candidates,
-                     prefill_load_scale=prefill_load_scale)
+              candidates: Iterable[str] | None = None, prefill_load_scale: float = 1.0, record: bool = True,
+              max_tokens: int | None = None,
+              link: Mapping[tuple[str, int], tuple[bool, bool]] | None = None) -> dict[str, Any]:
+        """The best worker for a prompt (:func:`indexer.route.route`; the ``POST
+        /v1/route`` body): the announced prefix plus predicted blocks (credit
+        ``predicted_credit``) against load: the caller's ``load`` for the workers it
+        names, the index's own in-flight estimate for the others.
+
+        With ``record`` (the default) the decision is recorded (:mod:`.inflight`): the
+        chosen worker's prompt blocks become predicted and its uncached prefill tokens
+        in-flight load until the worker announces them (or ``prefill_ttl_s``), plus
+        decode blocks for ``max_tokens`` until :meth:`route_done` (or ``decode_ttl_s``).
+        The answer's ``request_id`` names it (None without ``record``)."""
+        res, keys_for, ntok = self._match_tokens(token_ids, model, lora_name, cache_salt)
+        if res.block_size is None:  # nothing stored yet: the prompt's size in default blocks
+            dbs = self.default_block_size
+            res = res._replace(block_size=dbs, query_blocks=ntok // dbs)
+        known = self.model_workers(res.model)
+        with self._lock:
+            inf = self.inflight
+            inf.expire(self._clock())
+            out = route(res, known, load=load, candidates=candidates, prefill_load_scale=prefill_load_scale,
+                        link=link, in_flight=inf.load)
+            rid = None
+            bs: int = res.block_size  # type: ignore[assignment]  # set just above when None
+            if record:
+                top = out["ranked"][0]
+                held = (top["cached_blocks"] + top["predicted_blocks"]) * bs
+                decode = -(-(ntok + max_tokens) // bs) if max_tokens else 0
+                keys = [k for chunk in keys_for(bs) for k in chunk]
+                rid = inf.record(res.model, (out["engine"], out["dp_rank"]), keys, ntok - held, decode,
+                                 predict=top["cached_blocks"] < len(keys))
+            out["request_id"] = rid
+            return out
+
+    def route_done(self, request_id: str) -> bool:
+        """Request ``request_id`` (a route's answer) finished: release its in-flight load.
+        False when the index does not know it (never issued, done, or expired)."""
+        with self._lock:
+            return self.inflight.done(request_id)
 
     def match_by_keys(self, block_keys_: Sequence[int], *, model: str | None = "default") -> MatchResult:
         """Like :meth:`match`, with the caller's block keys (R-Q-1, R-KEY-2).
@@ -148,7 +206,7 @@ class Query(Lifecycle):
             out = gpu_answers(stops, m.rows, str(g), bs, self._credit_by_tid()[GPU], self.stale_factor,
                               self._clock(), WorkerMatch) if stops else []
             best = out[0] if out and out[0][1] < 0 else None
-            return tuple.__new__(MatchResult, (m.name, bs, ntok // bs, out, best))
+            return tuple.__new__(MatchResult, (m.name, bs, ntok // bs, out, best, ()))
         defaults = m.default_groups()
         head_bs = trees[defaults[0]].block_size
         # group -> {wid: (((tier name, blocks), ...), total blocks, weighted blocks)}
@@ -191,7 +249,7 @@ class Query(Lifecycle):
                 )))
             out.sort()  # WorkerMatch tuples order as the ranking: no key function
             best = out[0] if out and out[0].total_blocks > 0 else None
-            return tuple.__new__(MatchResult, (m.name, head_bs, qblocks, out, best))
+            return tuple.__new__(MatchResult, (m.name, head_bs, qblocks, out, best, ()))
         head = self._headline(m, defaults, per_group, head_bs)
         for wid in set().union(*per_group.values()):
             w = workers.get(wid)

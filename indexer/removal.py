@@ -123,6 +123,9 @@ class Removal(IndexState):
         bit = w.bit
         wid = w.wid
         only = None if tids is None else set(tids)
+        if self.inflight.requests and (only is None or GPU in only):
+            # Removed, restarted or cleared: what it was going to cache, and its queue, are gone.
+            self.inflight.forget_worker((w.engine, w.dp_rank))
         for group, wg in list(w.groups.items()):
             tree = m.trees.get(group)
             for h, node in list(wg.map.items()):

@@ -51,12 +51,27 @@ class BestOut(Struct, gc=False):
     score: float
 
 
+class PredictedOut(Struct, gc=False):
+    """Blocks a worker is predicted to hold beyond what it announced (a prompt routed
+    there whose prefill has not ended), and their credit-weighted score."""
+
+    engine: str
+    dp_rank: int
+    predicted_blocks: int
+    score: float
+
+
 class MatchResponse(Struct, gc=False):
     model: str
     block_size: int | None
     query_blocks: int
     workers: list[WorkerMatchOut]
     best: BestOut | None
+    predicted: list[PredictedOut]
+
+
+# (engine, dp_rank, blocks beyond the announced total, their score), most blocks first.
+Predicted = tuple[tuple[str, int, int, float], ...]
 
 
 class WorkerMatch(_WorkerTuple):
@@ -156,13 +171,15 @@ class WorkerMatch(_WorkerTuple):
 
 
 class MatchResult(NamedTuple):
-    """The answer to one query: every matching worker, best first, and the best one."""
+    """The answer to one query: every matching worker, best first, and the best one
+    (announced blocks only); ``predicted``: what routed prompts will add (apart)."""
 
     model: str
     block_size: int | None
     query_blocks: int
     workers: list[WorkerMatch]
     best: WorkerMatch | None
+    predicted: Predicted = ()
 
     def worker(self, engine: str, dp_rank: int = 0) -> WorkerMatch | None:
         """The entry of one worker, or None when it matched nothing."""
@@ -180,6 +197,8 @@ class MatchResult(NamedTuple):
             "query_blocks": self.query_blocks,
             "workers": [w.to_dict() for w in self.workers],
             "best": None if b is None else {"engine": b.engine, "dp_rank": b.dp_rank, "score": b.score},
+            "predicted": [{"engine": e, "dp_rank": r, "predicted_blocks": n, "score": s}
+                          for e, r, n, s in self.predicted],
         }
 
     def body(self) -> MatchResponse:
@@ -199,7 +218,8 @@ class MatchResult(NamedTuple):
             append(WorkerMatchOut(w[2], w[3], tg[0], tg[1], -w[1], w[6], -w[0] + 0.0, stale, reason, last_seq,
                                   None if t is None else w[8] - t))
         return MatchResponse(self.model, self.block_size, self.query_blocks, out,
-                             None if b is None else BestOut(b.engine, b.dp_rank, b.score))
+                             None if b is None else BestOut(b.engine, b.dp_rank, b.score),
+                             [PredictedOut(*p) for p in self.predicted])
 
 
 def _bits(mask: int) -> list[int]:

@@ -7,7 +7,7 @@ the service's ``POST /v1/route`` and the fleet simulator's index policy.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 from .engines import parse_worker
@@ -31,6 +31,7 @@ def route(
     candidates: Iterable[str] | None = None,
     prefill_load_scale: float = 1.0,
     link: Mapping[tuple[str, int], tuple[bool, bool]] | None = None,
+    in_flight: Callable[[tuple[str, int]], tuple[int, int]] | None = None,
 ) -> dict[str, Any]:
     """Rank the candidates by cost, lowest first; the ``/v1/route`` body.
 
@@ -38,13 +39,16 @@ def route(
     (``PrefixIndex.model_workers``); ``candidates`` restricts them (``"engine/rank"``,
     or ``"engine"`` for all its known ranks; an unknown one is ranked with nothing
     cached); ``load`` is keyed ``"engine/rank"`` or ``"engine"``; ``link`` is the
-    transport's ``(connected now, ever connected)`` per worker (None: all connected).
-    For each candidate:
+    transport's ``(connected now, ever connected)`` per worker (None: all connected);
+    ``in_flight`` gives the index's own ``(prefill tokens, decode blocks)`` estimate of
+    a worker, used where ``load`` names none (a caller's load replaces it). For each
+    candidate:
 
+        score = credit-weighted announced prefix (stale already discounted)
+                + the score of the predicted blocks beyond it (``res.predicted``)
         cost = prefill_load_scale * max(queued prefill blocks + prompt blocks - score, 0)
                + decode blocks
 
-    where the score is the credit-weighted cached prefix (stale already discounted).
     A worker that never connected ranks after every other one, whatever its cost; then
     ties go to the higher score, then engine id, then rank. Load keys that name no
     candidate are listed in ``unused_load``.
@@ -92,28 +96,44 @@ def route(
         raise LookupError(f"no workers to route to for model {res.model!r}")
     bs = res.block_size or 0
     stale = {(e, r): s for e, r, s in known}
+    pred = {(e, r): (n, s) for e, r, n, s in res.predicted} if res.predicted else None
     used: set[str] = set()
     ranked = []
     for engine, rank in cands:
-        wm = by_key.get((engine, rank))
+        key = (engine, rank)
+        wm = by_key.get(key)
         score = wm.score if wm is not None else 0.0
+        pblocks = 0
+        if pred is not None:
+            p = pred.get(key)
+            if p is not None:
+                pblocks = p[0]
+                score += p[1]
         name = f"{engine}/{rank}"
         ld = load.get(name)
         if ld is not None:
             used.add(name)
+            source = "caller"
         else:
             ld = load.get(engine)
             if ld is not None:
                 used.add(engine)
+                source = "caller"
+            elif in_flight is not None:
+                ld = Load(*in_flight(key))
+                source = "index"
+            else:
+                source = "none"
         prefill = decode = 0
         if ld is not None:
             prefill = math.ceil(ld[0] / bs) if bs else 0
             decode = ld[1]
         cost = prefill_load_scale * max(prefill + res.query_blocks - score, 0.0) + decode
-        lk = link.get((engine, rank)) if link is not None else None
+        lk = link.get(key) if link is not None else None
         connected = lk[0] if lk is not None else (None if link is not None else True)
         never = lk is not None and not lk[1]
-        ranked.append((never, cost, -score, engine, rank, name, wm, stale.get((engine, rank), False), connected))
+        ranked.append((never, cost, -score, engine, rank, name, wm, stale.get(key, False), connected, pblocks,
+                       (ld[0], ld[1], source) if ld is not None else (0, 0, source)))
     ranked.sort(key=lambda t: t[:5])
     best = ranked[0]
     top_score = max(-t[2] for t in ranked)
@@ -133,9 +153,10 @@ def route(
         "reason": reason,
         "ranked": [
             {"worker": name, "engine": e, "dp_rank": r, "score": -ns + 0.0,
-             "cached_blocks": wm.total_blocks if wm is not None else 0, "cost": cost, "stale": st,
-             "connected": conn}
-            for _, cost, ns, e, r, name, wm, st, conn in ranked
+             "cached_blocks": wm.total_blocks if wm is not None else 0, "predicted_blocks": pb, "cost": cost,
+             "stale": st, "connected": conn,
+             "load": {"prefill_tokens": ld[0], "decode_blocks": ld[1], "source": ld[2]}}
+            for _, cost, ns, e, r, name, wm, st, conn, pb, ld in ranked
         ],
         "unused_load": sorted(set(load) - used),
     }

@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .inflight import InFlight
 from .tree import MAX_TIERS, Kids, Node, Tree
 
 if TYPE_CHECKING:
@@ -175,6 +176,11 @@ class IndexState:
         max_dp_rank: int = 1023,
         max_groups: int = 64,
         max_tiers: int = MAX_TIERS,
+        predicted_credit: float = 1.0,
+        prefill_ttl_s: float = 30.0,
+        decode_ttl_s: float = 300.0,
+        max_in_flight: int = 100_000,
+        default_block_size: int = 16,
         clock: Callable[[], float] = _now,
     ) -> None:
         self.credits = {k.upper(): float(v) for k, v in (DEFAULT_CREDITS if credits is None else credits).items()}
@@ -188,6 +194,13 @@ class IndexState:
         self.max_tiers = min(int(max_tiers), MAX_TIERS)
         self._clock = clock
         self._lock = threading.Lock()
+        # What the index routed and has not seen announced (predictions, in-flight load).
+        self.predicted_credit = float(predicted_credit)
+        # The block size predictions are keyed at before a model's first store says its own
+        # (vLLM's default); a model that turns out otherwise just finds no prediction.
+        self.default_block_size = int(default_block_size)
+        self.inflight = InFlight(prefill_ttl_s=prefill_ttl_s, decode_ttl_s=decode_ttl_s, max_in_flight=max_in_flight,
+                                 clock=clock)
         # Queries about to take the lock: a writer thread yields the GIL after a
         # batch when this is not empty, so a query waits for one batch, not for the
         # interpreter's 5 ms switch interval. A deque because append/pop are atomic

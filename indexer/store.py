@@ -13,7 +13,7 @@ from .keys import KEY_SEED, block_keys, seeds_for_blocks
 from .lifecycle import Lifecycle
 from .sequencer import DUPLICATE, GAP, RESTART, classify
 from .state import _WG, GPU, _Worker
-from .tree import DEAD, Node, Tree, dup_add, insert_gpu
+from .tree import DEAD, Node, Tree, dup_add, insert_gpu, walk
 from .wire import REMOVED, STORED, DecodeError, decode_batch, raw_array_len, token_bytes
 
 if TYPE_CHECKING:
@@ -77,7 +77,26 @@ class Store(Lifecycle):
         w.refresh()
         w.batches += 1
         self._count("batches_applied")
+        if self.inflight.pending:
+            self._check_announced(w)
         return "applied", batch.ts
+
+    def _check_announced(self, w: _Worker) -> None:
+        """End the prefill of ``w``'s routed requests whose prompts it now holds on GPU."""
+        key = (w.engine, w.dp_rank)
+        if key not in self.inflight.pending:
+            return
+        m = self._models[w.model]
+        if not m.trees:
+            return
+        root = m.trees[m.default_groups()[0]].root
+        bit = w.bit
+
+        def resident(keys: list[int]) -> bool:
+            d, _, active, _ = walk(root, (keys,), False)
+            return d == len(keys) and bool(active & bit)
+
+        self.inflight.check_announced(key, resident)
 
     def _bad_batch(self, engine: str, model: str, dp_rank: int | None, seq: int | None,
                    reason: str) -> tuple[str, None]:

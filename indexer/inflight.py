@@ -1,0 +1,269 @@
+"""What the index routed and has not seen announced yet (issue 13): predicted prefixes
+and in-flight load, per worker.
+
+vLLM announces a request's blocks when its prefill ends, so between a routing decision
+and that announcement the prefix it will cache is in no tree, and the queue it joins
+is invisible. :class:`InFlight` keeps both, apart from the announced trees:
+
+* **Predictions**: per model, a trie of block keys (the headline group's, as a query
+  hashes them). Every node a routed prompt passes counts, per worker, the open
+  requests through it. A query walks the trie along its own keys (after ending what
+  is due); a mark at depth ``d`` means that worker will hold the first ``d`` blocks.
+  Marks share nodes: a popular prefix costs its depth once, not once per request.
+* **Load**: per worker, the prefill tokens routed there and not yet announced (the
+  uncached part, as estimated at routing time) and the decode blocks of requests not
+  yet done (``max_tokens``, when the caller says).
+
+A request ends its prefill when the worker announces every block of its prompt on GPU
+(checked after each applied batch of that worker), or after ``prefill_ttl_s``; its
+decode when the caller says it is done, or after ``decode_ttl_s``. A worker's removal,
+restart or cache clear ends all of its requests. At most ``max_in_flight`` requests are
+kept: beyond, the oldest goes (counted).
+
+Not thread-safe by itself: :class:`indexer.PrefixIndex` calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+from collections.abc import Callable, Iterable, Sequence
+
+__all__ = ["InFlight", "WorkerKey"]
+
+WorkerKey = tuple[str, int]  # (engine, dp_rank)
+
+# Announcement checks per applied batch and worker: FIFO engines announce in routing
+# order, so the oldest few pending requests are the ones that can have ended.
+_CHECKS_PER_BATCH = 8
+
+
+class _PNode:
+    __slots__ = ("kids", "marks")
+
+    def __init__(self) -> None:
+        self.kids: dict[int, _PNode] = {}
+        self.marks: dict[WorkerKey, int] = {}  # worker -> open requests of it through here
+
+
+class _Req:
+    __slots__ = ("id", "model", "worker", "keys", "prefill_tokens", "decode_blocks", "t", "expiry",
+                 "prefill_open", "decode_open")
+
+    def __init__(self, rid: str, model: str, worker: WorkerKey, keys: list[int], prefill_tokens: int,
+                 decode_blocks: int, t: float, expiry: float, predict: bool) -> None:
+        self.id = rid
+        self.model = model
+        self.worker = worker
+        self.keys = keys
+        self.prefill_tokens = prefill_tokens
+        self.decode_blocks = decode_blocks
+        self.t = t
+        self.expiry = expiry  # of its prefill (and of its prediction marks)
+        self.prefill_open = predict  # waiting for the worker to announce its blocks
+        self.decode_open = decode_blocks > 0
+
+
+class InFlight:
+    """Predicted prefixes and in-flight load (see the module docstring)."""
+
+    def __init__(self, *, prefill_ttl_s: float = 30.0, decode_ttl_s: float = 300.0,
+                 max_in_flight: int = 100_000, clock: Callable[[], float]) -> None:
+        if not prefill_ttl_s > 0 or not decode_ttl_s > 0:
+            raise ValueError("prefill_ttl_s and decode_ttl_s must be > 0")
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be >= 1")
+        self.prefill_ttl_s = float(prefill_ttl_s)
+        self.decode_ttl_s = float(decode_ttl_s)
+        self.max_in_flight = int(max_in_flight)
+        self.clock = clock
+        self.tries: dict[str, _PNode] = {}
+        self.requests: dict[str, _Req] = {}  # by id, oldest first
+        self.pending: dict[WorkerKey, list[_Req]] = {}  # prefill open, routing order
+        self.prefill: dict[WorkerKey, int] = {}  # tokens
+        self.decode: dict[WorkerKey, int] = {}  # blocks
+        self.nodes = 0  # trie nodes, all models
+        self.counters = {"recorded": 0, "announced": 0, "prefill_expired": 0, "done": 0, "decode_expired": 0,
+                         "evicted": 0, "forgotten": 0}
+        self._heap: list[tuple[float, int, bool, _Req]] = []  # (deadline, n, is_prefill, request)
+        self._n = 0
+        self._prefix = os.urandom(4).hex() + "-"  # ids of another process never collide
+
+    # ------------------------------------------------------------------ record
+
+    def record(self, model: str, worker: WorkerKey, keys: list[int], prefill_tokens: int,
+               decode_blocks: int, predict: bool = True) -> str:
+        """Record one routing decision; returns its request id.
+
+        ``keys`` are the prompt's full blocks (headline group), marked as predicted for
+        ``worker`` until it announces them, when ``predict`` (the worker has not
+        announced them all yet); ``prefill_tokens`` is what it will compute (blocks
+        an earlier routed prompt will cache first do not count).
+        """
+        now = self.clock()
+        self.expire(now)
+        if len(self.requests) >= self.max_in_flight:
+            self._end(next(iter(self.requests.values())), "evicted")
+        self._n += 1
+        rid = f"{self._prefix}{self._n:x}"
+        req = _Req(rid, model, worker, keys, max(0, prefill_tokens), max(0, decode_blocks), now,
+                   now + self.prefill_ttl_s, predict and bool(keys))
+        self.requests[rid] = req
+        self.counters["recorded"] += 1
+        if req.prefill_open:
+            self._mark(req)
+            self.pending.setdefault(worker, []).append(req)
+            self.prefill[worker] = self.prefill.get(worker, 0) + req.prefill_tokens
+            heapq.heappush(self._heap, (req.expiry, self._n, True, req))
+        if req.decode_open:
+            self.decode[worker] = self.decode.get(worker, 0) + req.decode_blocks
+        heapq.heappush(self._heap, (now + self.decode_ttl_s, self._n, False, req))
+        return rid
+
+    def _mark(self, req: _Req) -> None:
+        root = self.tries.get(req.model)
+        if root is None:
+            root = self.tries[req.model] = _PNode()
+        node = root
+        w = req.worker
+        created = 0
+        for k in req.keys:
+            kid = node.kids.get(k)
+            if kid is None:
+                kid = node.kids[k] = _PNode()
+                created += 1
+            node = kid
+            marks = node.marks
+            marks[w] = marks.get(w, 0) + 1
+        self.nodes += created
+
+    def _unmark(self, req: _Req) -> None:
+        """Take ``req``'s marks away and free the nodes left with neither marks nor children."""
+        root = self.tries.get(req.model)
+        if root is None:
+            return
+        path = [root]
+        node = root
+        for k in req.keys:
+            kid = node.kids.get(k)
+            if kid is None:
+                break
+            path.append(kid)
+            node = kid
+        w = req.worker
+        for i in range(len(path) - 1, 0, -1):
+            node = path[i]
+            n = node.marks.get(w, 0) - 1
+            if n > 0:
+                node.marks[w] = n
+            else:
+                node.marks.pop(w, None)
+            if not node.marks and not node.kids:
+                del path[i - 1].kids[req.keys[i - 1]]
+                self.nodes -= 1
+        if not root.kids:
+            del self.tries[req.model]
+
+    # ------------------------------------------------------------------ read
+
+    def predicted(self, model: str, key_chunks: Iterable[Sequence[int]], now: float) -> dict[WorkerKey, int]:
+        """``{worker: blocks}``: how much of a prompt (its block keys, in chunks) each
+        worker is predicted to hold. Ends what is due at ``now`` first (the only write)."""
+        self.expire(now)
+        node = self.tries.get(model)
+        if node is None:
+            return {}
+        out: dict[WorkerKey, int] = {}
+        d = 0
+        for chunk in key_chunks:
+            for k in chunk:
+                nxt = node.kids.get(k)
+                if nxt is None:
+                    return out
+                node = nxt
+                d += 1
+                for w in node.marks:
+                    out[w] = d
+        return out
+
+    def load(self, worker: WorkerKey) -> tuple[int, int]:
+        """(prefill tokens, decode blocks) in flight on ``worker``."""
+        return self.prefill.get(worker, 0), self.decode.get(worker, 0)
+
+    def worker_requests(self, worker: WorkerKey) -> int:
+        return sum(1 for r in self.requests.values() if r.worker == worker)
+
+    # ------------------------------------------------------------------ end
+
+    def check_announced(self, worker: WorkerKey, resident: Callable[[list[int]], bool]) -> None:
+        """After a batch of ``worker`` was applied: end the prefill of its oldest pending
+        requests whose every block ``resident`` now says is on the worker's GPU."""
+        pend = self.pending.get(worker)
+        if not pend:
+            return
+        done = [r for r in pend[:_CHECKS_PER_BATCH] if resident(r.keys)]
+        for r in done:
+            self._close_prefill(r)
+        self.counters["announced"] += len(done)
+
+    def expire(self, now: float | None = None) -> None:
+        """End what outlived its TTL (prefills, then whole requests)."""
+        heap = self._heap
+        if not heap:
+            return
+        if now is None:
+            now = self.clock()
+        while heap and heap[0][0] <= now:
+            _, _, is_prefill, req = heapq.heappop(heap)
+            if is_prefill:
+                if req.prefill_open:
+                    self._close_prefill(req)
+                    self.counters["prefill_expired"] += 1
+            elif self.requests.get(req.id) is req:
+                self._end(req, "decode_expired")
+
+    def done(self, rid: str) -> bool:
+        """The caller says request ``rid`` finished: release all of it. False when unknown
+        (never issued, already done, or expired)."""
+        req = self.requests.get(rid)
+        if req is None:
+            return False
+        self._end(req, "done")
+        return True
+
+    def forget_worker(self, worker: WorkerKey) -> int:
+        """End every request of ``worker`` (removed, restarted or cleared: what it was
+        going to cache is gone, and so is its queue). Returns how many."""
+        mine = [r for r in self.requests.values() if r.worker == worker]
+        for r in mine:
+            self._end(r, "forgotten")
+        return len(mine)
+
+    def _close_prefill(self, req: _Req) -> None:
+        req.prefill_open = False
+        w = req.worker
+        left = self.prefill.get(w, 0) - req.prefill_tokens
+        if left > 0:
+            self.prefill[w] = left
+        else:
+            self.prefill.pop(w, None)
+        pend = self.pending.get(w)
+        if pend is not None:
+            pend.remove(req)
+            if not pend:
+                del self.pending[w]
+        self._unmark(req)
+
+    def _end(self, req: _Req, why: str) -> None:
+        self.counters[why] += 1
+        if req.prefill_open:
+            self._close_prefill(req)
+        if req.decode_open:
+            req.decode_open = False
+            w = req.worker
+            left = self.decode.get(w, 0) - req.decode_blocks
+            if left > 0:
+                self.decode[w] = left
+            else:
+                self.decode.pop(w, None)
+        self.requests.pop(req.id, None)
