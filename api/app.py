@@ -19,10 +19,10 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -33,7 +33,7 @@ from indexer.engines import EndpointRefused, EngineConfig
 from indexer.index import ModelRequiredError
 from indexer.ingest import Indexer
 from indexer.keys import split_json_tokens
-from indexer.route import Load, route
+from indexer.route import Load
 
 from . import dynamo, schemas
 from .auth import CLIENT, Auth, client_of, is_mutating
@@ -149,18 +149,25 @@ class Service:
     async def route_request(self, q: schemas.RouteRequest):
         self.check_tokens(q.token_ids)
         t0 = time.perf_counter()
-        res = self.index.match(q.token_ids, model=q.model, lora_name=q.lora_name, cache_salt=q.cache_salt)
         try:
-            out = route(res, self.index.model_workers(res.model),
-                        load={k: Load(v.active_prefill_tokens, v.active_decode_blocks) for k, v in q.load.items()},
-                        candidates=q.candidates, prefill_load_scale=self.settings.prefill_load_scale,
-                        link=self.ingest.link)
+            out = self.index.route(
+                q.token_ids, model=q.model, lora_name=q.lora_name, cache_salt=q.cache_salt,
+                load={k: Load(v.active_prefill_tokens, v.active_decode_blocks) for k, v in q.load.items()},
+                candidates=q.candidates, prefill_load_scale=self.settings.prefill_load_scale, link=self.ingest.link,
+                record=q.record, max_tokens=q.max_tokens)
         except ValueError as e:  # a malformed candidate or load key, named
             raise HTTPError(422, str(e)) from None
         except LookupError as e:
+            if isinstance(e, KeyError):
+                raise  # an unknown model: serve_json's 404 / 422
             raise HTTPError(404, str(e)) from None
-        self.observe("/v1/route", t0, res)
+        self.metrics.observe("/v1/route", time.perf_counter() - t0, out["ranked"][0]["cached_blocks"])
         return 200, out
+
+    async def route_done(self, request_id: str) -> tuple[int, Any]:
+        if not self.index.route_done(request_id):
+            raise HTTPError(404, f"unknown request_id {request_id!r} (never issued, already done, or expired)")
+        return 200, {"request_id": request_id, "released": True}
 
     # --------------------------------------------------------------- engines
 
@@ -477,7 +484,18 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
             return Response(error_body(e.detail), status_code=e.status, media_type=JSON)
         return Response(ENC.encode(out), status_code=status, media_type=JSON)
 
-    @app.get("/v1/workers", tags=["indexer"], summary="Per-worker freshness, sizes and transport status")
+    @app.post("/v1/route/{request_id}/done", tags=["indexer"],
+              summary="A routed request finished: release its in-flight load (404 when unknown or expired)",
+              responses={200: {"content": {JSON: {"schema": _ref("DoneOut")}}}, **_json_responses(None, errors=(404,))})
+    async def route_done(request_id: Annotated[str, Path(max_length=64)]) -> Response:
+        try:
+            status, out = await svc.route_done(request_id)
+        except HTTPError as e:
+            return Response(error_body(e.detail), status_code=e.status, media_type=JSON)
+        return Response(ENC.encode(out), status_code=status, media_type=JSON)
+
+    @app.get("/v1/workers", tags=["indexer"],
+             summary="Per-worker health, freshness, sizes, in-flight load and transport status")
     async def workers() -> Response:
         return Response(ENC.encode(svc.ingest.workers()), media_type=JSON)
 

@@ -46,6 +46,10 @@ _HELP = {
     "allowed_endpoints": "hosts engines may be at (names, *.DOMAIN, IPs, CIDRs), checked before any connect; "
     "empty = any; engines are tcp:// only (comma-separated or a JSON list in the environment)",
     "prefill_load_scale": "/v1/route cost weight of uncached prefill blocks",
+    "predicted_credit": "score credit of a predicted block (routed to a worker, prefill not announced yet)",
+    "prefill_ttl_s": "seconds a route's prediction and prefill load last when its worker never announces the blocks",
+    "decode_ttl_s": "seconds a route's decode load (max_tokens) lasts without POST /v1/route/{id}/done",
+    "max_in_flight": "routed requests kept in flight at most (the oldest beyond are forgotten, counted)",
     "log_level": "critical, error, warning, info or debug",
     "log_json": "log one JSON object per line",
     "access_log": "log every HTTP request",
@@ -151,6 +155,10 @@ def build_parser(prog: str = "kv-indexer") -> argparse.ArgumentParser:
     s.add_argument("--allowed-endpoint", action="append", metavar="HOST|*.DOMAIN|CIDR",
                    help="may be given several times: " + _HELP["allowed_endpoints"])
     s.add_argument("--ready-fraction", type=float, help=_HELP["ready_fraction"])
+    s.add_argument("--predicted-credit", type=float, help=_HELP["predicted_credit"])
+    s.add_argument("--prefill-ttl-s", type=float, help=_HELP["prefill_ttl_s"])
+    s.add_argument("--decode-ttl-s", type=float, help=_HELP["decode_ttl_s"])
+    s.add_argument("--max-in-flight", type=int, help=_HELP["max_in_flight"])
     s.add_argument("--max-request-tokens", type=int, help=_HELP["max_request_tokens"])
     s.add_argument("--max-nodes", type=int, help=_HELP["max_nodes"])
     s.add_argument("--replay-timeout-s", type=float, help=_HELP["replay_timeout_s"])
@@ -420,6 +428,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "auth_reads": args.auth_reads,
             "allowed_endpoints": args.allowed_endpoint,
             "ready_fraction": args.ready_fraction,
+            "predicted_credit": args.predicted_credit,
+            "prefill_ttl_s": args.prefill_ttl_s,
+            "decode_ttl_s": args.decode_ttl_s,
+            "max_in_flight": args.max_in_flight,
         }
         if args.engine:
             overrides["engines"] = [parse_engine_spec(e) for e in args.engine]

@@ -170,6 +170,10 @@ class _IndexCollector:
         health = GaugeMetricFamily(f"{NS}_worker_health", "1 for each subscribed worker's health (ok, "
                                    "never_connected, disconnected, replaying, stale); see /v1/workers.",
                                    labels=["engine", "dp_rank", "health"])
+        wpre = GaugeMetricFamily(f"{NS}_worker_in_flight_prefill_tokens", "Prefill tokens routed to a worker and "
+                                 "not yet announced (the index's own estimate).", labels=["engine", "dp_rank"])
+        wdec = GaugeMetricFamily(f"{NS}_worker_in_flight_decode_blocks", "Decode blocks of requests routed to a "
+                                 "worker and not yet done (max_tokens given).", labels=["engine", "dp_rank"])
         if self.ingest is not None:
             for w in self.ingest.workers():
                 if "connected" in w:
@@ -177,8 +181,25 @@ class _IndexCollector:
                     states["never_connected"] += not w["connects"]
                     states["replaying"] += bool(w["replaying"])
                     health.add_metric([w["engine"], str(w["dp_rank"]), w["health"]], 1)
+                    inf = w.get("in_flight")
+                    if inf is not None:
+                        wpre.add_metric([w["engine"], str(w["dp_rank"])], inf["prefill_tokens"])
+                        wdec.add_metric([w["engine"], str(w["dp_rank"])], inf["decode_blocks"])
         states["stale"] = st["stale_workers"]
         yield health
+        yield wpre
+        yield wdec
+        fl = st["in_flight"]
+        rr = CounterMetricFamily(f"{NS}_route_records", "Routing decisions recorded, and how each ended "
+                                 "(announced, prefill_expired, done, decode_expired, evicted, forgotten).",
+                                 labels=["outcome"])
+        for k, n in sorted(fl["outcomes"].items()):
+            rr.add_metric([k], n)
+        yield rr
+        yield GaugeMetricFamily(f"{NS}_in_flight_requests", "Routed requests in flight (recorded, not ended).",
+                                value=fl["requests"])
+        yield GaugeMetricFamily(f"{NS}_predicted_nodes", "Nodes of the predicted-prefix tries (all models).",
+                                value=fl["predicted_nodes"])
         ch = CounterMetricFamily(f"{NS}_engine_changes", "Engines registered and unregistered, by who asked "
                                  "(config, api, dynamo, discovery, library).", labels=["op", "via"])
         for (op, via), n in sorted((self.ingest.changes if self.ingest is not None else {}).items()):

@@ -69,6 +69,11 @@ class RouteRequest(_Req, frozen=True):
     load: dict[Name, WorkerLoad] = {}
     # "ENGINE" or "ENGINE/RANK" (RANK in ASCII digits); a malformed one is a 422 naming it.
     candidates: Annotated[list[Name], Meta(min_length=1)] | None = None
+    # False: a dry run; nothing is recorded (no prediction, no in-flight load, no request_id).
+    record: bool = True
+    # Tokens the request may generate: its decode blocks count as load until
+    # POST /v1/route/{request_id}/done (or decode_ttl_s).
+    max_tokens: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None = None
 
 
 class EngineRequest(_Req, frozen=True):
@@ -130,16 +135,30 @@ class DynQueryByHash(_DynReq, frozen=True):
 # encoding classes serve as they are.
 
 
+class LoadOut(msgspec.Struct):
+    """The load a worker was weighed with: the caller's (``caller``), the index's own
+    in-flight estimate (``index``), or none."""
+
+    prefill_tokens: int
+    decode_blocks: int
+    source: str
+
+
 class RankedOut(msgspec.Struct):
     worker: str
     engine: str
     dp_rank: int
+    # Announced prefix (credit-weighted) plus predicted blocks (predicted_credit each).
     score: float
+    # Announced blocks (GPU, then whole CPU chunks, then STORAGE).
     cached_blocks: int
+    # Blocks routed prompts will add beyond the announced ones (not yet announced).
+    predicted_blocks: int
     cost: float
     stale: bool
     # The live socket's state now; null for a candidate the index does not subscribe to.
     connected: bool | None
+    load: LoadOut
 
 
 class RouteResponse(msgspec.Struct):
@@ -153,6 +172,13 @@ class RouteResponse(msgspec.Struct):
     ranked: list[RankedOut]
     # Keys of "load" that named no candidate (well-formed, but no such worker).
     unused_load: list[str]
+    # Names this decision (POST /v1/route/{request_id}/done releases it); null for a dry run.
+    request_id: str | None
+
+
+class DoneOut(msgspec.Struct):
+    request_id: str
+    released: bool
 
 
 class EngineOut(msgspec.Struct):
@@ -224,6 +250,7 @@ REQUEST_TYPES: dict[str, Any] = {
 RESPONSE_TYPES: dict[str, Any] = {
     "MatchResponse": MatchResponse,
     "RouteResponse": RouteResponse,
+    "DoneOut": DoneOut,
     "ErrorResponse": ErrorResponse,
     "EngineOut": EngineOut,
     "DynQueryResponse": DynQueryResponse,

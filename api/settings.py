@@ -84,6 +84,16 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     max_workers: int = 2048
     # /v1/route: cost = prefill_load_scale * uncached prefill blocks + decode blocks.
     prefill_load_scale: float = 1.0
+    # Score credit of a predicted block (routed, prefill not ended); 1.0: a FIFO engine
+    # will hold it by the time a later request's prefill starts.
+    predicted_credit: float = 1.0
+    # A routed request's prediction and prefill load end when its worker announces the
+    # blocks, or after this (a request that never announces: aborted, evicted, lost).
+    prefill_ttl_s: float = 30.0
+    # Its decode load (max_tokens) ends at POST /v1/route/{id}/done, or after this.
+    decode_ttl_s: float = 300.0
+    # Routed requests kept in flight at most; beyond, the oldest is forgotten (counted).
+    max_in_flight: int = 100_000
     log_level: str = "info"
     log_json: bool = False
     access_log: bool = False
@@ -122,6 +132,13 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
             bad("demo_speedup", f"must be > 0, got {self.demo_speedup}")
         if self.prefill_load_scale < 0:
             bad("prefill_load_scale", f"must be >= 0, got {self.prefill_load_scale}")
+        if self.predicted_credit < 0:
+            bad("predicted_credit", f"must be >= 0, got {self.predicted_credit}")
+        for name in ("prefill_ttl_s", "decode_ttl_s"):
+            if not getattr(self, name) > 0:
+                bad(name, f"must be > 0, got {getattr(self, name)}")
+        if self.max_in_flight < 1:
+            bad("max_in_flight", f"must be >= 1, got {self.max_in_flight}")
         for tier, c in self.credits.items():
             if not tier or c < 0:
                 bad("credits", f"tier names must be non-empty and credits >= 0, got {tier!r}: {c}")
@@ -151,6 +168,10 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
             "max_orphans": self.max_orphans,
             "orphan_ttl_s": self.orphan_ttl_s,
             "max_nodes": self.max_nodes or None,
+            "predicted_credit": self.predicted_credit,
+            "prefill_ttl_s": self.prefill_ttl_s,
+            "decode_ttl_s": self.decode_ttl_s,
+            "max_in_flight": self.max_in_flight,
         }
 
     def endpoint_policy(self) -> EndpointPolicy:

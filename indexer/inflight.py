@@ -82,6 +82,7 @@ class InFlight:
         self.pending: dict[WorkerKey, list[_Req]] = {}  # prefill open, routing order
         self.prefill: dict[WorkerKey, int] = {}  # tokens
         self.decode: dict[WorkerKey, int] = {}  # blocks
+        self.per_worker: dict[WorkerKey, int] = {}  # open requests
         self.nodes = 0  # trie nodes, all models
         self.counters = {"recorded": 0, "announced": 0, "prefill_expired": 0, "done": 0, "decode_expired": 0,
                          "evicted": 0, "forgotten": 0}
@@ -109,6 +110,7 @@ class InFlight:
         req = _Req(rid, model, worker, keys, max(0, prefill_tokens), max(0, decode_blocks), now,
                    now + self.prefill_ttl_s, predict and bool(keys))
         self.requests[rid] = req
+        self.per_worker[worker] = self.per_worker.get(worker, 0) + 1
         self.counters["recorded"] += 1
         if req.prefill_open:
             self._mark(req)
@@ -191,7 +193,7 @@ class InFlight:
         return self.prefill.get(worker, 0), self.decode.get(worker, 0)
 
     def worker_requests(self, worker: WorkerKey) -> int:
-        return sum(1 for r in self.requests.values() if r.worker == worker)
+        return self.per_worker.get(worker, 0)
 
     # ------------------------------------------------------------------ end
 
@@ -266,4 +268,9 @@ class InFlight:
                 self.decode[w] = left
             else:
                 self.decode.pop(w, None)
-        self.requests.pop(req.id, None)
+        if self.requests.pop(req.id, None) is not None:
+            n = self.per_worker[req.worker] - 1
+            if n:
+                self.per_worker[req.worker] = n
+            else:
+                del self.per_worker[req.worker]

@@ -120,9 +120,10 @@ class Lifecycle(Removal):
                 self._count("stale_cleared")
 
     def workers(self) -> list[dict[str, Any]]:
-        """Per-worker freshness and sizes, sorted by engine then rank."""
+        """Per-worker freshness, sizes and in-flight load, sorted by engine then rank."""
         with self._lock:
             now = self._clock()
+            self.inflight.expire(now)
             out = []
             for (engine, rank), w in sorted(self._workers.items()):
                 res: dict[str, int] = {}
@@ -145,8 +146,26 @@ class Lifecycle(Removal):
                     "dropped": dict(w.dropped),
                     "resident_blocks": res,
                     "orphans": sum(len(v) for wg in w.groups.values() for v in wg.orphans.values()),
+                    "in_flight": self._in_flight_of((engine, rank)),
                 })
             return out
+
+    def _in_flight_stats(self) -> dict[str, Any]:
+        """The routing bookkeeping's sizes and outcomes (counters only: no walk)."""
+        inf = self.inflight
+        inf.expire(self._clock())
+        return {
+            "requests": len(inf.requests),
+            "prefill_tokens": sum(inf.prefill.values()),
+            "decode_blocks": sum(inf.decode.values()),
+            "predicted_nodes": inf.nodes,
+            "outcomes": dict(inf.counters),
+        }
+
+    def _in_flight_of(self, key: tuple[str, int]) -> dict[str, int]:
+        inf = self.inflight
+        prefill, decode = inf.load(key)
+        return {"requests": inf.worker_requests(key), "prefill_tokens": prefill, "decode_blocks": decode}
 
     def model_workers(self, model: str | None = "default") -> list[tuple[str, int, bool]]:
         """``(engine, dp_rank, stale)`` of every worker of ``model``, in no particular order
@@ -229,4 +248,5 @@ class Lifecycle(Removal):
                 "dropped_payloads": dict(sorted(self._dropped.items())),
                 "counters": dict(sorted(self._counters.items())),
                 "tiers": list(names),
+                "in_flight": self._in_flight_stats(),
             }

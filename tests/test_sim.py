@@ -11,9 +11,10 @@ import pytest
 from indexer import PrefixIndex
 from indexer.ingest import Indexer
 from indexer.producer.sim import (
-    Fleet, IndexRouter, LeastLoaded, Request, RoundRobin, SimEngine, compare_policies, engine_hashes, fleet_engines,
-    simulate, synthetic_requests, trace_requests,
+    Fleet, IndexRouter, LeastLoaded, Oracle, Request, RoundRobin, SimClock, SimEngine, compare_policies, engine_hashes,
+    fleet_engines, simulate, synthetic_requests, trace_requests, versus,
 )
+from indexer.route import Load
 from indexer.producer.events import Cleared, Removed, Stored
 from svc import wait_for
 
@@ -174,3 +175,132 @@ def test_the_http_router_routes_a_fleet_through_a_running_service(serve):
         assert m[("kvi_query_duration_seconds_count", frozenset({("route", "/v1/route")}))] == 40
     finally:
         fleet.close()
+
+
+# ------------------------------------------------------------------ time
+
+
+class _Recorder:
+    """Routes to ``to`` (or the first worker), noting at each decision the blocks the
+    index knows for the prompt on that worker and the load the simulator passed."""
+
+    name = "recorder"
+
+    def __init__(self, index: PrefixIndex, to: str | None = None) -> None:
+        self.index, self.to, self.seen, self.loads = index, to, [], []
+
+    def choose(self, tokens, workers, loads):
+        w = self.to or workers[0]
+        e, r = w.split("/")
+        wm = self.index.match(tokens).worker(e, int(r))
+        self.seen.append(0 if wm is None else wm.total_blocks)
+        self.loads.append(dict(loads))
+        return w
+
+
+def test_events_reach_the_index_at_prefill_end_plus_the_delay_on_the_sim_clock():
+    clock = SimClock()
+    idx = PrefixIndex(clock=clock)
+    stamps: list[float] = []
+    engines = fleet_engines(2, index=idx, clock=clock, block_size=BS, gpu_blocks=1000)
+    inner = engines[0].sink
+    engines[0].sink = lambda ev: (stamps.append(clock()), inner(ev))
+    a = toks(1, 10 * BS)  # 160 tokens at 1,000 tokens/s: prefill 0 -> 0.16, announced at 0.21
+    reqs = [Request(0.0, a, 1), Request(0.2, a, 1), Request(0.22, a, 1), Request(0.3, a + toks(2, BS), 1)]
+    rec = _Recorder(idx)
+    rep = simulate(reqs, engines, rec, prefill_tps=1000.0, event_delay_s=0.05, clock=clock)
+    # 0.2: the engine holds a (it hit all 10 blocks) but the index has not heard; at 0.22 it has.
+    assert rec.seen == [0, 0, 10, 10]
+    assert [h for _, _, h in rep.timeline] == [0, 160, 160, 160]
+    # The first batch was applied at its delivery time on the sim clock; the 4th request's
+    # (prefill 0.3 -> 0.316) is delivered after the last request, at 0.366.
+    assert stamps[0] == pytest.approx(0.21) and stamps[-1] == pytest.approx(0.366)
+    assert clock() == pytest.approx(0.366)
+    # The backlog the router saw: at 0.2 none (a's prefill ended at 0.16).
+    assert rec.loads[1]["sim-0/0"][0] == 0
+    # With no delay at all (event_delay_s=None) the index knows at once.
+    idx2 = PrefixIndex()
+    rec2 = _Recorder(idx2)
+    simulate(reqs, fleet_engines(2, index=idx2, block_size=BS, gpu_blocks=1000), rec2, prefill_tps=1000.0,
+             event_delay_s=None)
+    assert rec2.seen == [0, 10, 10, 10]
+    # The engines' own sinks are back after the run.
+    assert engines[1].sink is not None and engines[1].sink.__name__ == "sink"
+
+
+def test_ttft_is_fifo_prefill_of_the_uncached_tokens_by_hand():
+    a = toks(1, 10 * BS)
+    reqs = [
+        Request(0.0, a, 1),                   # computes 160: 0 -> 0.16
+        Request(0.1, a + toks(2, 2 * BS), 1),  # hits a's 10 blocks (160), computes 32: waits, 0.16 -> 0.192
+        Request(0.15, toks(3, 40), 1),         # 2 blocks + 8 tokens, no hit: 0.192 -> 0.232
+        Request(1.0, toks(4, 3 * BS), 1),      # idle worker: 1.0 -> 1.048
+    ]
+    e = SimEngine("e", block_size=BS, gpu_blocks=1000)
+    rep = simulate(reqs, [e], RoundRobin(), prefill_tps=1000.0)
+    assert rep.ttft_s == pytest.approx([0.16, 0.092, 0.082, 0.048])
+    s = rep.summary()
+    assert s["ttft_mean_s"] == pytest.approx((0.16 + 0.092 + 0.082 + 0.048) / 4)
+    assert s["ttft_p90_s"] == pytest.approx(0.16) and s["ttft_p50_s"] == pytest.approx(0.082)
+    assert s["hit_rate"] == pytest.approx(160 / (160 + 192 + 40 + 48))
+    # Two workers, round robin: each its own FIFO queue.
+    rep2 = simulate(reqs, [SimEngine("a", block_size=BS), SimEngine("b", block_size=BS)], RoundRobin(),
+                    prefill_tps=1000.0)
+    # a: 0 -> 0.16, then the 3rd 0.16 -> 0.2; b: the 2nd computes all 192, 0.1 -> 0.292; the 4th 1.0 -> 1.048
+    assert rep2.ttft_s == pytest.approx([0.16, 0.192, 0.05, 0.048])
+
+
+def test_the_oracle_weighs_the_real_cache_against_the_real_queue():
+    a = toks(1, 10 * BS)
+    hot, cold = SimEngine("hot", block_size=BS), SimEngine("cold", block_size=BS)
+    hot.serve(a)
+    o = Oracle([hot, cold])
+    q = a + toks(2, 2 * BS)  # 192 tokens, 160 cached on hot
+    names = ["cold/0", "hot/0"]
+    assert o.choose(q, names, {"cold/0": Load(0, 0), "hot/0": Load(0, 0)}) == "hot/0"  # 32 < 192
+    assert o.choose(q, names, {"cold/0": Load(0, 0), "hot/0": Load(161, 0)}) == "cold/0"  # 193 > 192
+    assert o.choose(q, names, {"cold/0": Load(0, 0), "hot/0": Load(160, 0)}) == "hot/0"  # a tie: more hits
+    assert o.choose(toks(3, 64), names, {"cold/0": Load(0, 0), "hot/0": Load(0, 0)}) == "cold/0"  # tie: name
+    assert hot.probe(q) == (10, 0)  # asking changed nothing
+
+
+def test_the_oracle_beats_round_robin_and_the_index_with_load_comes_close():
+    reqs = list(synthetic_requests(300, prefixes=12, prefix_tokens=1024, suffix_tokens=256, rate=40, seed=3))
+    reports = compare_policies(reqs, 4, policies=["round_robin", "index", "oracle"], gpu_blocks=400,
+                               prefill_tps=30_000.0)
+    by = {r.policy: r.summary() for r in reports}
+    vs = versus(reports)
+    assert by["oracle"]["ttft_mean_s"] < by["round_robin"]["ttft_mean_s"]
+    assert by["oracle"]["hit_rate"] > by["round_robin"]["hit_rate"]
+    assert vs["oracle"] == {"ttft_mean_ratio": 1.0, "ttft_p90_ratio": 1.0, "cached_share_ratio": 1.0}
+    assert vs["round_robin"]["ttft_mean_ratio"] > 1.2
+    assert vs["index"]["ttft_mean_ratio"] < vs["round_robin"]["ttft_mean_ratio"]
+    assert vs["index"]["cached_share_ratio"] > 0.9
+
+
+def test_the_index_without_load_spreads_a_burst_by_its_own_bookkeeping():
+    # 8 distinct prompts at once, nothing cached anywhere: with no load passed, only the
+    # index's record of what it routed (not yet announced) can keep them apart.
+    clock = SimClock()
+    idx = PrefixIndex(clock=clock)
+    engines = fleet_engines(4, index=idx, clock=clock, block_size=BS)
+    reqs = [Request(0.0, toks(i, 32 * BS), 1) for i in range(8)]
+    rep = simulate(reqs, engines, IndexRouter(idx, mode="no_load"), prefill_tps=1000.0, clock=clock)
+    assert sorted(w["requests"] for w in rep.per_worker.values()) == [2, 2, 2, 2]
+    cache_only = simulate(reqs, fleet_engines(4, block_size=BS), IndexRouter(PrefixIndex(), use_load=False),
+                          prefill_tps=1000.0)
+    assert cache_only.per_worker["sim-0/0"]["requests"] == 8
+    with pytest.raises(ValueError, match="unknown mode"):
+        IndexRouter(idx, mode="psychic")
+
+
+def test_realtime_replay_delivers_held_events_on_time():
+    import time
+
+    got: list[float] = []
+    start = time.monotonic()
+    e = SimEngine("e", block_size=BS, sink=lambda ev: got.append(time.monotonic() - start))
+    reqs = [Request(0.0, toks(1, 4 * BS), 1), Request(0.05, toks(2, 4 * BS), 1)]
+    simulate(reqs, [e], RoundRobin(), prefill_tps=6400.0, realtime=True, event_delay_s=0.1)
+    # prefill ends 0.01 and 0.06; events at 0.11 and 0.16 of wall time.
+    assert len(got) == 2 and 0.1 <= got[0] < 0.16 and 0.15 <= got[1] < 0.3

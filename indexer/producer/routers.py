@@ -65,8 +65,10 @@ class IndexRouter:
     ``mode``:
 
     * ``"load"`` (policy ``index``): ``PrefixIndex.route`` with the caller's load, the
-      simulator's backlog per worker (queued prefill tokens, and the decode blocks unless
-      ``decode_load`` is false). The index records its choice as it does for any route.
+      simulator's backlog per worker: its queued prefill tokens, and with ``decode_load``
+      its decode blocks too (off by default: in the simulator decoding does not slow
+      prefill, so decode blocks in the cost would only mislead it about the TTFT). The
+      index records its choice as it does for any route.
     * ``"no_load"`` (``index_no_load``): ``PrefixIndex.route`` with no load: the index's
       own bookkeeping of what it routed and what the engines announced since.
     * ``"cache_only"`` (``index_cache_only``): the cached prefix alone
@@ -79,7 +81,7 @@ class IndexRouter:
     NAMES = {"load": "index", "no_load": "index_no_load", "cache_only": "index_cache_only"}
 
     def __init__(self, index: PrefixIndex, model: str = "default", prefill_load_scale: float = 1.0,
-                 use_load: bool = True, *, mode: str | None = None, decode_load: bool = True) -> None:
+                 use_load: bool = True, *, mode: str | None = None, decode_load: bool = False) -> None:
         mode = mode or ("load" if use_load else "cache_only")
         if mode not in self.NAMES:
             raise ValueError(f"unknown mode {mode!r}: one of {', '.join(self.NAMES)}")

@@ -373,12 +373,12 @@ def compare_policies(requests: list[Request], engines: int = 8, *,
                      policies: Iterable[str] = ("round_robin", "least_loaded", "index"),
                      dp_size: int = 1, prefill_tps: float = 20_000.0, decode_tps: float = 40.0,
                      event_delay_s: float | None = 0.05, index_options: dict[str, Any] | None = None,
-                     decode_load: bool = True, prefill_load_scale: float = 1.0,
+                     decode_load: bool = False, prefill_load_scale: float = 1.0,
                      **engine_options: Any) -> list[Report]:
     """One fresh fleet per policy (:data:`POLICIES`), the same requests: the reports, in
     ``policies`` order. Each fleet publishes into its own ``PrefixIndex(**index_options)``
-    that runs on the simulation's clock; ``decode_load`` false passes the ``index``
-    policy the queued prefill tokens alone."""
+    that runs on the simulation's clock; ``decode_load`` passes the ``index`` policy the
+    decode blocks besides the queued prefill tokens (:class:`IndexRouter`)."""
     from ..index import PrefixIndex
 
     out = []
