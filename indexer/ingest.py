@@ -271,6 +271,16 @@ class Indexer(ZmqTransport):
     def match_by_keys(self, keys: Sequence[int], **kw: Any) -> MatchResult:
         return self.index.match_by_keys(keys, **kw)
 
+    def route(self, token_ids: Sequence[int], **kw: Any) -> dict[str, Any]:
+        """:meth:`PrefixIndex.route` with what the transport knows: a worker that never
+        connected ranks last. Records the decision (``record=False``: a dry run)."""
+        kw.setdefault("link", self.link)
+        return self.index.route(token_ids, **kw)
+
+    def route_done(self, request_id: str) -> bool:
+        """Same as :meth:`PrefixIndex.route_done`."""
+        return self.index.route_done(request_id)
+
     def stats(self) -> dict[str, Any]:
         return self.index.stats()
 

@@ -1042,6 +1042,14 @@ def test_embedding_indexer_inside_asyncio(rig):
             assert r.best.engine == "e1" and r.worker("e1", 0).total_blocks == 4
             byk = ix.match_by_keys(block_keys(P[0], BS))
             assert byk.worker("e1", 0).total_blocks == 4
+            # The embedding API's route records too (R-Q-6): P[1] is predicted on e1
+            # until e1 announces it, and done releases the decode load.
+            r = ix.route(P[1], max_tokens=16)
+            assert r["worker"] == "e1/0" and r["ranked"][0]["connected"] is True
+            assert ix.match(P[1]).predicted[0][:3] == ("e1", 0, 4)
+            rec.send(gpu(P[1]))
+            await until(lambda: ix.match(P[1]).predicted == ())
+            assert ix.route_done(r["request_id"]) and not ix.route_done(r["request_id"])
         finally:
             await ix.astop()
         assert not ix.running and ix.error is None
