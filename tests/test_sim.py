@@ -287,7 +287,8 @@ def test_the_index_without_load_spreads_a_burst_by_its_own_bookkeeping():
     reqs = [Request(0.0, toks(i, 32 * BS), 1) for i in range(8)]
     rep = simulate(reqs, engines, IndexRouter(idx, mode="no_load"), prefill_tps=1000.0, clock=clock)
     assert sorted(w["requests"] for w in rep.per_worker.values()) == [2, 2, 2, 2]
-    cache_only = simulate(reqs, fleet_engines(4, block_size=BS), IndexRouter(PrefixIndex(), use_load=False),
+    idx2 = PrefixIndex()
+    cache_only = simulate(reqs, fleet_engines(4, index=idx2, block_size=BS), IndexRouter(idx2, use_load=False),
                           prefill_tps=1000.0)
     assert cache_only.per_worker["sim-0/0"]["requests"] == 8
     with pytest.raises(ValueError, match="unknown mode"):
