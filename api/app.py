@@ -76,7 +76,8 @@ class Service:
         self.settings = settings
         self.index = index
         self.ingest = Indexer(settings.engines, index=index, replay_timeout_s=settings.replay_timeout_s,
-                              max_workers=settings.max_workers, endpoint_policy=settings.endpoint_policy())
+                              max_workers=settings.max_workers, endpoint_policy=settings.endpoint_policy(),
+                              metrics_interval_s=settings.metrics_interval_s)
         self.auth = Auth(settings.api_token, settings.auth_reads) if settings.api_token else None
         self.api_errors: dict[tuple[str, int], int] = {}
         self.metrics = Metrics(index, self.ingest, self.api_errors,
@@ -86,8 +87,8 @@ class Service:
         d = settings.discovery
         if d is not None:
             self.discovery = DnsDiscovery(
-                self.ingest, d.dns_name, port=d.port, replay_port=d.replay_port, dp_size=d.dp_size, model=d.model,
-                topic=d.topic, interval_s=d.interval_s, grace_s=d.grace_s)
+                self.ingest, d.dns_name, port=d.port, replay_port=d.replay_port, metrics_port=d.metrics_port,
+                dp_size=d.dp_size, model=d.model, topic=d.topic, interval_s=d.interval_s, grace_s=d.grace_s)
 
     # ------------------------------------------------------------- transport
 

@@ -26,8 +26,10 @@ from .settings import ENV_PREFIX, FIELDS, Settings, SettingsError, load_settings
 _HELP = {
     "host": "listen address",
     "port": "listen port",
-    "engines": "engines to subscribe to at start (list of {id, endpoint, model, replay_endpoint, topic, dp_size})",
-    "discovery": "engines by DNS: {dns_name, port, replay_port, dp_size, model, topic, interval_s, grace_s}",
+    "engines": "engines to subscribe to at start (list of {id, endpoint, model, replay_endpoint, topic, dp_size, "
+    "metrics_url})",
+    "discovery": "engines by DNS: {dns_name, port, replay_port, metrics_port, dp_size, model, topic, interval_s, "
+    "grace_s}",
     "credits": "score credit per block per tier (JSON object in the environment)",
     "stale_factor": "multiplier on a stale worker's score when ranking, 0..1",
     "max_orphans": "stores waiting for their parent, at most (the oldest go first)",
@@ -50,6 +52,7 @@ _HELP = {
     "prefill_ttl_s": "seconds a route's prediction and prefill load last when its worker never announces the blocks",
     "decode_ttl_s": "seconds a route's decode load (max_tokens) lasts without POST /v1/route/{id}/done",
     "max_in_flight": "routed requests kept in flight at most (the oldest beyond are forgotten, counted)",
+    "metrics_interval_s": "seconds between scrapes of engines' vLLM /metrics (engines with a metrics_url)",
     "log_level": "critical, error, warning, info or debug",
     "log_json": "log one JSON object per line",
     "access_log": "log every HTTP request",

@@ -85,6 +85,8 @@ class EngineRequest(_Req, frozen=True):
     replay_endpoint: Endpoint | None = None
     topic: Annotated[str, Meta(max_length=256)] = ""
     dp_size: Annotated[int, Meta(ge=1, le=1024)] = 1
+    # vLLM's Prometheus /metrics (http:// or https://): scraped to correct the in-flight load.
+    metrics_url: Annotated[str, Meta(max_length=2048, pattern=r"^https?://[^\s@/]+(/\S*)?$")] | None = None
 
 
 # --- Dynamo standalone indexer (``python -m dynamo.indexer``) request shapes.
@@ -191,6 +193,7 @@ class EngineOut(msgspec.Struct):
     topic: str
     dp_size: int
     dp_rank_start: int
+    metrics_url: str | None
 
 
 class ErrorResponse(msgspec.Struct):

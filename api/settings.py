@@ -28,6 +28,8 @@ class Discovery(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     dns_name: str
     port: int = 5557
     replay_port: int | None = None
+    # vLLM's HTTP port on each address: its /metrics correct the in-flight load estimate.
+    metrics_port: int | None = None
     dp_size: int = 1
     model: str = "default"
     topic: str = ""
@@ -42,6 +44,8 @@ class Discovery(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
             v = getattr(self, name)
             if v is not None and not 1 <= v + self.dp_size - 1 <= 65535:
                 raise SettingsError(f"{name}: ports {v}..{v + self.dp_size - 1} must be 1..65535")
+        if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
+            raise SettingsError(f"metrics_port must be 1..65535, got {self.metrics_port}")
         if not 1 <= self.dp_size <= 1024:
             raise SettingsError(f"dp_size must be 1..1024, got {self.dp_size}")
         if not self.interval_s > 0 or self.grace_s < 0:
@@ -94,6 +98,8 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     decode_ttl_s: float = 300.0
     # Routed requests kept in flight at most; beyond, the oldest is forgotten (counted).
     max_in_flight: int = 100_000
+    # How often engines with a metrics_url (vLLM /metrics) are scraped for their queues.
+    metrics_interval_s: float = 2.0
     log_level: str = "info"
     log_json: bool = False
     access_log: bool = False
@@ -137,6 +143,8 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         for name in ("prefill_ttl_s", "decode_ttl_s"):
             if not getattr(self, name) > 0:
                 bad(name, f"must be > 0, got {getattr(self, name)}")
+        if not self.metrics_interval_s > 0:
+            bad("metrics_interval_s", f"must be > 0, got {self.metrics_interval_s}")
         if self.max_in_flight < 1:
             bad("max_in_flight", f"must be >= 1, got {self.max_in_flight}")
         for tier, c in self.credits.items():

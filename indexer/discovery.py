@@ -48,6 +48,7 @@ class DnsDiscovery:
         dp_size: int = 1,
         model: str = "default",
         topic: str = "",
+        metrics_port: int | None = None,
         interval_s: float = 10.0,
         grace_s: float = 60.0,
         id_prefix: str = "",
@@ -62,6 +63,7 @@ class DnsDiscovery:
         self.name = name
         self.port = port
         self.replay_port = replay_port
+        self.metrics_port = metrics_port  # vLLM's HTTP port: /metrics there (in-flight load)
         self.dp_size = dp_size
         self.model = model
         self.topic = topic
@@ -83,6 +85,7 @@ class DnsDiscovery:
             id=f"{self.id_prefix}{address}",
             endpoint=f"tcp://{host}:{self.port}",
             replay_endpoint=f"tcp://{host}:{self.replay_port}" if self.replay_port else None,
+            metrics_url=f"http://{host}:{self.metrics_port}/metrics" if self.metrics_port else None,
             model=self.model,
             topic=self.topic,
             dp_size=self.dp_size,

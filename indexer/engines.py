@@ -104,6 +104,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     topic: str = ""
     dp_size: int = 1
     dp_rank_start: int = 0
+    # vLLM's Prometheus /metrics of this engine (every DP rank behind it, told apart by
+    # the ``engine`` label): scraped to correct the in-flight load estimate.
+    metrics_url: str | None = None
 
     @property
     def ranks(self) -> range:
@@ -121,6 +124,13 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             check_endpoint(offset_endpoint(self.endpoint, r), f"engine {self.id} endpoint")
             if self.replay_endpoint is not None:
                 check_endpoint(offset_endpoint(self.replay_endpoint, r), f"engine {self.id} replay_endpoint")
+        if self.metrics_url is not None:
+            from .engine_metrics import check_metrics_url  # it imports this module
+
+            try:
+                check_metrics_url(self.metrics_url)
+            except ValueError as e:
+                raise ValueError(f"engine {self.id} metrics_url: {e}") from None
 
 
 class EndpointRefused(ValueError):
@@ -166,6 +176,10 @@ class EndpointPolicy:
 
     def check(self, cfg: EngineConfig) -> None:
         """Raise :class:`EndpointRefused` unless every endpoint of ``cfg`` is allowed."""
+        if cfg.metrics_url is not None and not self.open:
+            from urllib.parse import urlsplit
+
+            self._check_host(cfg.id, "metrics_url", urlsplit(cfg.metrics_url).hostname or "")
         for what, ep in (("endpoint", cfg.endpoint), ("replay_endpoint", cfg.replay_endpoint)):
             if ep is None:
                 continue

@@ -83,9 +83,16 @@ class InFlight:
         self.prefill: dict[WorkerKey, int] = {}  # tokens
         self.decode: dict[WorkerKey, int] = {}  # blocks
         self.per_worker: dict[WorkerKey, int] = {}  # open requests
+        # What an engine reported (its metrics) beyond the requests we routed there:
+        # worker -> (extra prefill tokens, extra decode blocks, report time).
+        self.engine_extra: dict[WorkerKey, tuple[int, int, float]] = {}
+        self.engine_max_age_s = 10.0  # an older report no longer counts
+        # Running means of what one routed request adds (the unit for other routers' requests).
+        self._mean_prefill = 512.0
+        self._mean_decode = 0.0
         self.nodes = 0  # trie nodes, all models
         self.counters = {"recorded": 0, "announced": 0, "prefill_expired": 0, "done": 0, "decode_expired": 0,
-                         "evicted": 0, "forgotten": 0}
+                         "evicted": 0, "forgotten": 0, "engine_done": 0}
         self._heap: list[tuple[float, int, bool, _Req]] = []  # (deadline, n, is_prefill, request)
         self._n = 0
         self._prefix = os.urandom(4).hex() + "-"  # ids of another process never collide
@@ -111,6 +118,8 @@ class InFlight:
                    now + self.prefill_ttl_s, predict and bool(keys))
         self.requests[rid] = req
         self.per_worker[worker] = self.per_worker.get(worker, 0) + 1
+        self._mean_prefill += (req.prefill_tokens - self._mean_prefill) * 0.01
+        self._mean_decode += (req.decode_blocks - self._mean_decode) * 0.01
         self.counters["recorded"] += 1
         if req.prefill_open:
             self._mark(req)
@@ -189,8 +198,34 @@ class InFlight:
         return out
 
     def load(self, worker: WorkerKey) -> tuple[int, int]:
-        """(prefill tokens, decode blocks) in flight on ``worker``."""
-        return self.prefill.get(worker, 0), self.decode.get(worker, 0)
+        """(prefill tokens, decode blocks) in flight on ``worker``: what we routed there,
+        plus what its engine reported beyond that (other routers' requests)."""
+        extra = self.engine_extra.get(worker)
+        if extra is None or self.clock() - extra[2] > self.engine_max_age_s:
+            return self.prefill.get(worker, 0), self.decode.get(worker, 0)
+        return self.prefill.get(worker, 0) + extra[0], self.decode.get(worker, 0) + extra[1]
+
+    def correct(self, worker: WorkerKey, waiting: float, running: float, t: float) -> None:
+        """Correct ``worker``'s estimate with what its engine reported at ``t``: ``waiting``
+        and ``running`` requests (vLLM's gauges; a request in prefill is running).
+
+        Our requests routed to it before ``t`` that the engine no longer has (more of them
+        open than it reports) have finished: the oldest end ("engine_done"). Requests it
+        has beyond ours are other routers': they count as load, in units of a mean routed
+        request, until the next report (or ``engine_max_age_s``)."""
+        mine = [r for r in self.requests.values() if r.worker == worker and r.t <= t
+                and (r.prefill_open or r.decode_open)]
+        present = max(0, int(waiting)) + max(0, int(running))
+        for r in mine[: max(0, len(mine) - present)]:  # oldest first (dict order)
+            self._end(r, "engine_done")
+        n_mine = min(len(mine), present)
+        extra_waiting = max(0, int(waiting) - n_mine)
+        extra_running = max(0, present - n_mine - extra_waiting)
+        if extra_waiting or extra_running:
+            self.engine_extra[worker] = (int(extra_waiting * self._mean_prefill),
+                                         int((extra_waiting + extra_running) * self._mean_decode), t)
+        else:
+            self.engine_extra.pop(worker, None)
 
     def worker_requests(self, worker: WorkerKey) -> int:
         return self.per_worker.get(worker, 0)
@@ -239,6 +274,7 @@ class InFlight:
         mine = [r for r in self.requests.values() if r.worker == worker]
         for r in mine:
             self._end(r, "forgotten")
+        self.engine_extra.pop(worker, None)
         return len(mine)
 
     def _close_prefill(self, req: _Req) -> None:

@@ -26,6 +26,7 @@ from typing import Any, cast
 
 import zmq
 
+from .engine_metrics import EngineLoad, MetricsScraper
 from .engines import EndpointPolicy, EngineConfig, as_config, offset_endpoint
 from .index import PrefixIndex
 from .result import MatchResult
@@ -126,6 +127,8 @@ class Indexer(ZmqTransport):
     max_workers:
         Workers (engine DP ranks) subscribed at once, at most; each holds up to four
         sockets, so this bounds sockets and file descriptors (R-BAD-3).
+    metrics_interval_s:
+        How often the engines configured with a ``metrics_url`` are scraped.
     endpoint_policy:
         Checked before any engine is subscribed (:class:`~.engines.EndpointPolicy`:
         tcp only, an allowlist); None accepts every valid endpoint (ipc and inproc too).
@@ -147,6 +150,7 @@ class Indexer(ZmqTransport):
         reconnect_ivl_max_ms: int = 5_000,
         context: zmq.Context[Any] | None = None,
         endpoint_policy: EndpointPolicy | None = None,
+        metrics_interval_s: float = 2.0,
         **index_options: Any,
     ) -> None:
         self.index: PrefixIndex = index if index is not None else PrefixIndex(**index_options)
@@ -172,9 +176,12 @@ class Indexer(ZmqTransport):
         self._sink = _Sink(self)
         self.error: str | None = None  # set if the ingest thread died (see ``running``)
         self.endpoint_policy = endpoint_policy
+        # Engines' own load (vLLM /metrics), for those configured with a metrics_url.
+        self.scraper = MetricsScraper(self._engine_load, interval_s=metrics_interval_s, clock=self.index._clock)
         # Engine registrations and removals done, by (op, via): "register"/"unregister" x
         # who asked ("config", "api", "dynamo", "discovery", "library").
         self.changes: dict[tuple[str, str], int] = {}
+        self.engine_loads: dict[tuple[str, int], EngineLoad] = {}  # the last report per worker
         for e in engines:
             self._add(self._checked(as_config(e)), "config")
 
@@ -193,6 +200,7 @@ class Indexer(ZmqTransport):
         self._running.set()
         self._thread = threading.Thread(target=self._run, args=(wake_rx,), name="kvidx-ingest", daemon=True)
         self._thread.start()
+        self.scraper.start()
 
     def stop(self) -> None:
         """Stop the ingest thread and close every socket; the index is kept."""
@@ -209,6 +217,7 @@ class Indexer(ZmqTransport):
                 self._running.clear()
         t.join(timeout=5)
         self._thread = None
+        self.scraper.stop()
         if self._wake_tx is not None:
             self._wake_tx.close(0)
             self._wake_tx = None
@@ -307,6 +316,10 @@ class Indexer(ZmqTransport):
                     connects=sub.connects,
                 )
             w["health"] = _health(w, sub)
+            el = self.engine_loads.get(key)
+            w["engine_load"] = None if el is None else {
+                "waiting": el.waiting, "running": el.running, "kv_usage": el.kv_usage,
+                "age_s": round(self.index._clock() - el.t, 3)}
             out.append(w)
         return out
 
@@ -345,6 +358,11 @@ class Indexer(ZmqTransport):
             return self._resync(arg)
         return None
 
+    def _engine_load(self, engine: str, rank: int, load: EngineLoad) -> None:
+        """The scraper's callback: a worker's own report corrects the in-flight estimate."""
+        self.index.correct_load((engine, rank), load.waiting, load.running, load.t)
+        self.engine_loads[(engine, rank)] = load
+
     def _count(self, op: str, via: str) -> None:
         self.changes[(op, via)] = self.changes.get((op, via), 0) + 1
 
@@ -360,6 +378,8 @@ class Indexer(ZmqTransport):
             raise ValueError(f"engine {cfg.id!r}: {cfg.dp_size} more worker(s) would exceed max_workers="
                              f"{self.max_workers} ({len(self._subs)} subscribed)")
         self._engines[(cfg.id, cfg.dp_rank_start)] = cfg
+        if cfg.metrics_url is not None:
+            self.scraper.set_target(cfg.id, cfg.metrics_url, cfg.ranks)
         for r in cfg.ranks:
             sub = _Sub(cfg, r, self._sink, self)
             self._subs[(cfg.id, r)] = sub
@@ -377,9 +397,12 @@ class Indexer(ZmqTransport):
         if not gone:
             return False
         for k in gone:
+            if self._engines[k].metrics_url is not None:
+                self.scraper.remove_target(engine_id, self._engines[k].ranks)
             for r in self._engines.pop(k).ranks:
                 sub = self._subs.pop((engine_id, r), None)
                 self.link.pop((engine_id, r), None)
+                self.engine_loads.pop((engine_id, r), None)
                 if sub is not None:
                     self._close(sub)
                     self._replaying.discard(sub)

@@ -146,6 +146,12 @@ class Query(Lifecycle):
             out["request_id"] = rid
             return out
 
+    def correct_load(self, worker: tuple[str, int], waiting: float, running: float, t: float) -> None:
+        """A worker's engine reported its queue (vLLM metrics): correct the in-flight
+        estimate (:meth:`indexer.inflight.InFlight.correct`)."""
+        with self._lock:
+            self.inflight.correct(worker, waiting, running, t)
+
     def route_done(self, request_id: str) -> bool:
         """Request ``request_id`` (a route's answer) finished: release its in-flight load.
         False when the index does not know it (never issued, done, or expired)."""

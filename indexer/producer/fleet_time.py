@@ -5,10 +5,11 @@ replay of requests through simulated engines on the trace's own clock, its
 The model: each worker prefills FIFO at ``prefill_tps`` tokens/s, one request at a time;
 a request's prefill starts at ``max(arrival, the worker's previous prefill end)`` and
 computes what the worker's cache does not hold; its TTFT is its prefill end minus its
-arrival. Its KV events (one batch) reach the engine's sink ``event_delay_s`` after its
-prefill ends, as vLLM announces blocks once they are computed; a router learns of them
-only then. Decode (``output_length / decode_tps`` s after the prefill) holds blocks that
-a load-aware router sees, and does not slow prefill.
+arrival. Its KV events reach the engine's sink ``event_delay_s`` after its prefill ends,
+as vLLM announces blocks once they are computed (a router learns of them only then); the
+GPU evictions it causes, ``event_delay_s`` after its prefill starts (when it takes its
+blocks). Decode (``output_length / decode_tps`` s after the prefill) holds blocks that a
+load-aware router sees, and does not slow prefill.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..route import Load
+from .events import Removed
 
 if TYPE_CHECKING:
     from msgspec import Struct
@@ -159,11 +161,13 @@ def simulate(requests: Iterable[Request], engines: list[SimEngine], router: Rout
     Each request is routed at its arrival time, with every worker's backlog as ``loads``
     (:class:`Router`). Its prefill starts at ``max(arrival, the worker's previous prefill
     end)`` and ends ``(prompt tokens - hit tokens) / prefill_tps`` later; its TTFT is
-    that end minus its arrival. The engine's events for the request (a batch, to the
-    engine's sink) are held until the prefill end plus ``event_delay_s``, then delivered
-    in time order before the next routing decision that comes later; at the end of the
-    requests, every held batch is delivered. ``event_delay_s=None``: each batch is
-    delivered when the request is routed (an index that knows at once).
+    that end minus its arrival. The engine's events for the request (the batch its
+    sink would get) are held: the GPU evictions until the prefill start plus
+    ``event_delay_s`` (a batch of their own), the rest until the prefill end plus
+    ``event_delay_s``; held batches are delivered in time order (a worker's in the
+    order it published them) before the next routing decision that comes later, and
+    all of them after the last request. ``event_delay_s=None``: the batch is delivered
+    whole when the request is routed (an index that knows at once).
 
     ``clock`` (a :class:`SimClock`) is set to the simulated time: the arrival of the
     request being routed, or the delivery time of the batch being delivered.
@@ -225,11 +229,20 @@ def simulate(requests: Iterable[Request], engines: list[SimEngine], router: Rout
             ntok = len(req.tokens)
             computed = ntok - hit_tok
             b = busy[w]
-            done = max(now, b.busy_until) + computed / prefill_tps
+            begin = max(now, b.busy_until)
+            done = begin + computed / prefill_tps
             b.busy_until = done
             if captured:
                 assert event_delay_s is not None
-                heapq.heappush(held, (done + event_delay_s, count, sinks[w], captured.pop()))
+                events = captured.pop()
+                # The GPU evictions when the prefill takes its blocks, the rest when it ends.
+                early = [isinstance(ev, Removed) and getattr(ev, "medium", None) == "GPU" for ev in events]
+                if any(early):
+                    heapq.heappush(held, (begin + event_delay_s, 2 * count, sinks[w],
+                                          [ev for ev, e in zip(events, early) if e]))
+                    events = [ev for ev, e in zip(events, early) if not e]
+                if events:
+                    heapq.heappush(held, (done + event_delay_s, 2 * count + 1, sinks[w], events))
             blocks = math.ceil((ntok + req.output_length) / bs)
             heapq.heappush(b.decoding, (done + req.output_length / decode_tps, blocks))
             b.decode_blocks += blocks
