@@ -228,6 +228,20 @@ def test_events_reach_the_index_at_prefill_end_plus_the_delay_on_the_sim_clock()
     assert engines[1].sink is not None and engines[1].sink.__name__ == "sink"
 
 
+def test_evictions_reach_the_index_when_the_evicting_prefill_starts():
+    clock = SimClock()
+    idx = PrefixIndex(clock=clock)
+    engines = fleet_engines(1, index=idx, clock=clock, block_size=BS, gpu_blocks=12)
+    a, b = toks(1, 10 * BS), toks(2, 10 * BS)
+    # a: prefill 0 -> 0.16, stored at 0.21. b queues behind it: starts at 0.16 and evicts 8
+    # of a's blocks (leaves first), removed at 0.21 too, after a's store (publish order).
+    reqs = [Request(0.0, a, 1), Request(0.05, b, 1), Request(0.2, a, 1), Request(0.22, a, 1)]
+    rec = _Recorder(idx)
+    simulate(reqs, engines, rec, prefill_tps=1000.0, event_delay_s=0.05, clock=clock)
+    assert rec.seen == [0, 0, 0, 2]
+    assert agree(idx, engines, [a, b]) > 0  # and all is told in the end
+
+
 def test_ttft_is_fifo_prefill_of_the_uncached_tokens_by_hand():
     a = toks(1, 10 * BS)
     reqs = [
