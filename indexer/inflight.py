@@ -27,9 +27,21 @@ from __future__ import annotations
 
 import heapq
 import os
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 
 __all__ = ["InFlight", "WorkerKey"]
+
+
+def _common(edge: array[int], keys: Sequence[int], i: int) -> int:
+    """How many keys of ``edge`` equal ``keys[i:]``, from the start."""
+    n = min(len(edge), len(keys) - i)
+    if edge[:n] == array("Q", keys[i:i + n]):  # the common case: all of it (in C)
+        return n
+    m = 0
+    while m < n and edge[m] == keys[i + m]:
+        m += 1
+    return m
 
 WorkerKey = tuple[str, int]  # (engine, dp_rank)
 
@@ -39,18 +51,30 @@ _CHECKS_PER_BATCH = 8
 
 
 class _PNode:
-    __slots__ = ("kids", "marks")
+    """A radix-trie node: the edge from its parent (block keys), its children by their
+    edge's first key, and per worker the open requests whose prompt covers the edge."""
 
-    def __init__(self) -> None:
-        self.kids: dict[int, _PNode] = {}
-        self.marks: dict[WorkerKey, int] = {}  # worker -> open requests of it through here
+    __slots__ = ("edge", "kids", "marks")
+
+    def __init__(self, edge: array[int]) -> None:
+        self.edge = edge
+        self.kids: dict[int, _PNode] | None = None
+        self.marks: dict[WorkerKey, int] | None = None
+
+    def split(self, at: int) -> None:
+        """Cut the edge after ``at`` keys: the rest becomes this node's one child (which
+        takes the children and the marks: they cover the whole old edge)."""
+        low = _PNode(self.edge[at:])
+        low.kids, low.marks = self.kids, dict(self.marks) if self.marks else None
+        self.edge = self.edge[:at]
+        self.kids = {low.edge[0]: low}
 
 
 class _Req:
     __slots__ = ("id", "model", "worker", "keys", "prefill_tokens", "decode_blocks", "t", "expiry",
                  "prefill_open", "decode_open")
 
-    def __init__(self, rid: str, model: str, worker: WorkerKey, keys: list[int], prefill_tokens: int,
+    def __init__(self, rid: str, model: str, worker: WorkerKey, keys: array[int], prefill_tokens: int,
                  decode_blocks: int, t: float, expiry: float, predict: bool) -> None:
         self.id = rid
         self.model = model
@@ -99,7 +123,7 @@ class InFlight:
 
     # ------------------------------------------------------------------ record
 
-    def record(self, model: str, worker: WorkerKey, keys: list[int], prefill_tokens: int,
+    def record(self, model: str, worker: WorkerKey, keys: Sequence[int], prefill_tokens: int,
                decode_blocks: int, predict: bool = True) -> str:
         """Record one routing decision; returns its request id.
 
@@ -114,7 +138,7 @@ class InFlight:
             self._end(next(iter(self.requests.values())), "evicted")
         self._n += 1
         rid = f"{self._prefix}{self._n:x}"
-        req = _Req(rid, model, worker, keys, max(0, prefill_tokens), max(0, decode_blocks), now,
+        req = _Req(rid, model, worker, array("Q", keys), max(0, prefill_tokens), max(0, decode_blocks), now,
                    now + self.prefill_ttl_s, predict and bool(keys))
         self.requests[rid] = req
         self.per_worker[worker] = self.per_worker.get(worker, 0) + 1
@@ -132,45 +156,66 @@ class InFlight:
         return rid
 
     def _mark(self, req: _Req) -> None:
+        """Count ``req`` on every node its keys cover, splitting edges where it diverges
+        or ends inside one; its unshared rest becomes one new node."""
         root = self.tries.get(req.model)
         if root is None:
-            root = self.tries[req.model] = _PNode()
-        node = root
-        w = req.worker
-        created = 0
-        for k in req.keys:
-            kid = node.kids.get(k)
+            root = self.tries[req.model] = _PNode(array("Q"))
+        keys, n, w = req.keys, len(req.keys), req.worker
+        node, i = root, 0
+        while i < n:
+            kid = node.kids.get(keys[i]) if node.kids else None
             if kid is None:
-                kid = node.kids[k] = _PNode()
-                created += 1
+                kid = _PNode(keys[i:])
+                if node.kids is None:
+                    node.kids = {}
+                node.kids[keys[i]] = kid
+                self.nodes += 1
+            else:
+                e = kid.edge
+                m = _common(e, keys, i)
+                if m < len(e):
+                    kid.split(m)
+                    self.nodes += 1
             node = kid
+            i += len(node.edge)
             marks = node.marks
-            marks[w] = marks.get(w, 0) + 1
-        self.nodes += created
+            if marks is None:
+                node.marks = {w: 1}
+            else:
+                marks[w] = marks.get(w, 0) + 1
 
     def _unmark(self, req: _Req) -> None:
-        """Take ``req``'s marks away and free the nodes left with neither marks nor children."""
+        """Take ``req``'s counts away; free the nodes left with neither marks nor children."""
         root = self.tries.get(req.model)
         if root is None:
             return
+        keys, n, w = req.keys, len(req.keys), req.worker
         path = [root]
-        node = root
-        for k in req.keys:
-            kid = node.kids.get(k)
+        node, i = root, 0
+        while i < n and node.kids:
+            kid = node.kids.get(keys[i])
             if kid is None:
                 break
             path.append(kid)
             node = kid
-        w = req.worker
-        for i in range(len(path) - 1, 0, -1):
-            node = path[i]
-            n = node.marks.get(w, 0) - 1
-            if n > 0:
-                node.marks[w] = n
-            else:
-                node.marks.pop(w, None)
-            if not node.marks and not node.kids:
-                del path[i - 1].kids[req.keys[i - 1]]
+            i += len(kid.edge)
+        for j in range(len(path) - 1, 0, -1):
+            node = path[j]
+            marks = node.marks
+            if marks is not None:
+                c = marks.get(w, 0) - 1
+                if c > 0:
+                    marks[w] = c
+                else:
+                    marks.pop(w, None)
+                    if not marks:
+                        node.marks = None
+            if node.marks is None and not node.kids:
+                parent = path[j - 1]
+                del parent.kids[node.edge[0]]  # type: ignore[union-attr]  # node is one of them
+                if not parent.kids:
+                    parent.kids = None
                 self.nodes -= 1
         if not root.kids:
             del self.tries[req.model]
@@ -185,16 +230,31 @@ class InFlight:
         if node is None:
             return {}
         out: dict[WorkerKey, int] = {}
+        q: list[int] = []
+        chunks = iter(key_chunks)
         d = 0
-        for chunk in key_chunks:
-            for k in chunk:
-                nxt = node.kids.get(k)
-                if nxt is None:
-                    return out
-                node = nxt
-                d += 1
-                for w in node.marks:
+        while node.kids:
+            if len(q) <= d:
+                q.extend(next(chunks, ()))
+                if len(q) <= d:
+                    break
+            kid = node.kids.get(q[d])
+            if kid is None:
+                break
+            e = kid.edge
+            while len(q) < d + len(e):  # enough of the query to compare the whole edge
+                more = next(chunks, None)
+                if more is None:
+                    break
+                q.extend(more)
+            m = _common(e, q, d)
+            d += m
+            if kid.marks:
+                for w in kid.marks:
                     out[w] = d
+            if m < len(e):
+                break
+            node = kid
         return out
 
     def load(self, worker: WorkerKey) -> tuple[int, int]:
@@ -232,7 +292,7 @@ class InFlight:
 
     # ------------------------------------------------------------------ end
 
-    def check_announced(self, worker: WorkerKey, resident: Callable[[list[int]], bool]) -> None:
+    def check_announced(self, worker: WorkerKey, resident: Callable[[Sequence[int]], bool]) -> None:
         """After a batch of ``worker`` was applied: end the prefill of its oldest pending
         requests whose every block ``resident`` now says is on the worker's GPU."""
         pend = self.pending.get(worker)

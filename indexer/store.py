@@ -4,7 +4,7 @@ removals and the worker lifecycle. The only writer of the trees with
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -92,7 +92,7 @@ class Store(Lifecycle):
         root = m.trees[m.default_groups()[0]].root
         bit = w.bit
 
-        def resident(keys: list[int]) -> bool:
+        def resident(keys: Sequence[int]) -> bool:
             d, _, active, _ = walk(root, (keys,), False)
             return d == len(keys) and bool(active & bit)
 

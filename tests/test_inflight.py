@@ -152,18 +152,34 @@ def test_R_BAD_3_in_flight_state_is_bounded_and_evictions_counted(clock):
         idx.route(toks(rng.randrange(10**6), 4, BS))
     inf = idx.inflight
     assert len(inf.requests) == 5 and inf.counters["evicted"] == 45
-    assert inf.nodes <= 5 * 4
+    assert inf.nodes <= 2 * 5
     assert sum(inf.prefill.values()) == sum(r.prefill_tokens for r in inf.requests.values())
 
 
-def test_R_Q_6_a_shared_prefix_costs_its_depth_once(clock):
+def _edges(node) -> list[int]:
+    out, stack = [], list((node.kids or {}).values())
+    while stack:
+        n = stack.pop()
+        out.append(len(n.edge))
+        stack.extend((n.kids or {}).values())
+    return sorted(out)
+
+
+def test_R_Q_6_a_shared_prefix_is_stored_once_and_edges_are_compressed(clock):
     idx = fleet(clock)
     p = toks(100, 32, BS)
     for _ in range(10):
         idx.route(p, candidates=["a"])
-    assert idx.inflight.nodes == 32
-    idx.route(p[: 16 * BS] + toks(7, 4, BS), candidates=["a"])
-    assert idx.inflight.nodes == 36
+    root = idx.inflight.tries["default"]
+    assert idx.inflight.nodes == 1 and _edges(root) == [32]  # ten requests, one 32-key edge
+    idx.route(p[: 16 * BS] + toks(7, 4, BS), candidates=["b"])
+    assert idx.inflight.nodes == 3 and _edges(root) == [4, 16, 16]
+    idx.route(p[: 8 * BS], candidates=["c"])  # ends inside an edge: split there
+    assert idx.inflight.nodes == 4 and _edges(root) == [4, 8, 8, 16]
+    assert idx.match(p).predicted == (("a", 0, 32, 32.0), ("b", 0, 16, 16.0), ("c", 0, 8, 8.0))
+    for rid in list(idx.inflight.requests):
+        idx.route_done(rid)
+    assert idx.inflight.nodes == 0 and "default" not in idx.inflight.tries
 
 
 def _lcp(a: list[int], b: list[int]) -> int:
