@@ -97,7 +97,7 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     # Its decode load (max_tokens) ends at POST /v1/route/{id}/done, or after this.
     decode_ttl_s: float = 300.0
     # Routed requests kept in flight at most; beyond, the oldest is forgotten (counted).
-    max_in_flight: int = 100_000
+    max_in_flight: int = 20_000
     # How often engines with a metrics_url (vLLM /metrics) are scraped for their queues.
     metrics_interval_s: float = 2.0
     log_level: str = "info"

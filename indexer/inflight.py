@@ -92,7 +92,7 @@ class InFlight:
     """Predicted prefixes and in-flight load (see the module docstring)."""
 
     def __init__(self, *, prefill_ttl_s: float = 30.0, decode_ttl_s: float = 300.0,
-                 max_in_flight: int = 100_000, clock: Callable[[], float]) -> None:
+                 max_in_flight: int = 20_000, clock: Callable[[], float]) -> None:
         if not prefill_ttl_s > 0 or not decode_ttl_s > 0:
             raise ValueError("prefill_ttl_s and decode_ttl_s must be > 0")
         if max_in_flight < 1:

@@ -179,7 +179,7 @@ class IndexState:
         predicted_credit: float = 1.0,
         prefill_ttl_s: float = 30.0,
         decode_ttl_s: float = 300.0,
-        max_in_flight: int = 100_000,
+        max_in_flight: int = 20_000,
         default_block_size: int = 16,
         clock: Callable[[], float] = _now,
     ) -> None:
