@@ -242,6 +242,16 @@ class Service:
         return ok, fatal + reasons
 
 
+async def _answer(call: Awaitable[tuple[int, Any]]) -> Response:
+    """The JSON response of a handler outside ``serve_json`` (a path parameter): its
+    ``(status, body)``, or its client error."""
+    try:
+        status, out = await call
+    except HTTPError as e:
+        return Response(error_body(e.detail), status_code=e.status, media_type=JSON)
+    return Response(ENC.encode(out), status_code=status, media_type=JSON)
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -479,21 +489,13 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
     @app.delete("/v1/engines/{engine_id}", tags=["indexer"], summary="Unregister an engine and drop its state",
                 responses=_json_responses(None, errors=(404,)))
     async def delete_engine(engine_id: str) -> Response:
-        try:
-            status, out = await svc.remove_engine(engine_id)
-        except HTTPError as e:
-            return Response(error_body(e.detail), status_code=e.status, media_type=JSON)
-        return Response(ENC.encode(out), status_code=status, media_type=JSON)
+        return await _answer(svc.remove_engine(engine_id))
 
     @app.post("/v1/route/{request_id}/done", tags=["indexer"],
               summary="A routed request finished: release its in-flight load (404 when unknown or expired)",
               responses={200: {"content": {JSON: {"schema": _ref("DoneOut")}}}, **_json_responses(None, errors=(404,))})
     async def route_done(request_id: Annotated[str, Path(max_length=64)]) -> Response:
-        try:
-            status, out = await svc.route_done(request_id)
-        except HTTPError as e:
-            return Response(error_body(e.detail), status_code=e.status, media_type=JSON)
-        return Response(ENC.encode(out), status_code=status, media_type=JSON)
+        return await _answer(svc.route_done(request_id))
 
     @app.get("/v1/workers", tags=["indexer"],
              summary="Per-worker health, freshness, sizes, in-flight load and transport status")

@@ -33,6 +33,16 @@ from collections.abc import Callable, Iterable, Sequence
 __all__ = ["InFlight", "WorkerKey"]
 
 
+def _take(totals: dict[WorkerKey, int], w: WorkerKey, n: int) -> None:
+    """Subtract ``n`` from ``totals[w]``, dropping the entry at 0 (the maps stay as small
+    as the workers with something in flight)."""
+    left = totals.get(w, 0) - n
+    if left > 0:
+        totals[w] = left
+    else:
+        totals.pop(w, None)
+
+
 def _common(edge: array[int], keys: Sequence[int], i: int) -> int:
     """How many keys of ``edge`` equal ``keys[i:]``, from the start."""
     n = min(len(edge), len(keys) - i)
@@ -340,11 +350,7 @@ class InFlight:
     def _close_prefill(self, req: _Req) -> None:
         req.prefill_open = False
         w = req.worker
-        left = self.prefill.get(w, 0) - req.prefill_tokens
-        if left > 0:
-            self.prefill[w] = left
-        else:
-            self.prefill.pop(w, None)
+        _take(self.prefill, w, req.prefill_tokens)
         pend = self.pending.get(w)
         if pend is not None:
             pend.remove(req)
@@ -358,15 +364,6 @@ class InFlight:
             self._close_prefill(req)
         if req.decode_open:
             req.decode_open = False
-            w = req.worker
-            left = self.decode.get(w, 0) - req.decode_blocks
-            if left > 0:
-                self.decode[w] = left
-            else:
-                self.decode.pop(w, None)
+            _take(self.decode, req.worker, req.decode_blocks)
         if self.requests.pop(req.id, None) is not None:
-            n = self.per_worker[req.worker] - 1
-            if n:
-                self.per_worker[req.worker] = n
-            else:
-                del self.per_worker[req.worker]
+            _take(self.per_worker, req.worker, 1)
