@@ -19,9 +19,9 @@ and offload like vLLM's, publishing exactly the KV events vLLM would.
   computes what its worker's cache does not hold), then decodes for
   ``output_length / decode_tps`` s. That gives the queued prefill tokens and decode
   blocks a load-aware router sees, and a time to first token (prefill end - arrival).
-  A request's events are published when its prefill ends, and reach the engine's sink
-  ``event_delay_s`` later (vLLM announces blocks once computed), so a router learns of
-  a request's blocks only then.
+  A request's stored blocks reach the engine's sink ``event_delay_s`` after its prefill
+  ends (vLLM announces blocks once computed), so a router learns of them only then; the
+  GPU evictions it causes, ``event_delay_s`` after its prefill starts.
 
 :func:`simulate` replays requests through a fleet with one router and returns the
 report a routing team wants: hit rates (GPU, CPU, total), prefill tokens saved, load
