@@ -166,9 +166,11 @@ class Service:
         return 200, out
 
     async def route_done(self, request_id: str) -> tuple[int, Any]:
-        if not self.index.route_done(request_id):
-            raise HTTPError(404, f"unknown request_id {request_id!r} (never issued, already done, or expired)")
-        return 200, {"request_id": request_id, "released": True}
+        got = self.index.route_done(request_id)
+        if got is None:
+            raise HTTPError(404, f"unknown request_id {request_id!r} (never issued, or ended long ago)")
+        # False: it had ended already (announced with nothing to decode, done, expired).
+        return 200, {"request_id": request_id, "released": got}
 
     # --------------------------------------------------------------- engines
 

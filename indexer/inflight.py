@@ -121,6 +121,12 @@ class InFlight:
         # worker -> (extra prefill tokens, extra decode blocks, report time).
         self.engine_extra: dict[WorkerKey, tuple[int, int, float]] = {}
         self.engine_max_age_s = 10.0  # an older report no longer counts
+        # Per worker: its prefill rate (tokens/s, learned from announcements) and when it
+        # last announced a routed prompt: the request in prefill has done rate x (now -
+        # max(its routing, that)) of its tokens, not nothing, until announced.
+        self.rate: dict[WorkerKey, float] = {}
+        self.last_announce: dict[WorkerKey, float] = {}
+        self._ended: dict[str, None] = {}  # ids of the last ended requests, oldest first
         # Running means of what one routed request adds (the unit for other routers' requests).
         self._mean_prefill = 512.0
         self._mean_decode = 0.0
@@ -162,7 +168,10 @@ class InFlight:
             heapq.heappush(self._heap, (req.expiry, self._n, True, req))
         if req.decode_open:
             self.decode[worker] = self.decode.get(worker, 0) + req.decode_blocks
-        heapq.heappush(self._heap, (now + self.decode_ttl_s, self._n, False, req))
+        if not (req.prefill_open or req.decode_open):
+            self._end(req, "announced")  # all of it announced already, nothing to decode: over
+        else:
+            heapq.heappush(self._heap, (now + self.decode_ttl_s, self._n, False, req))
         return rid
 
     def _mark(self, req: _Req) -> None:
@@ -269,11 +278,21 @@ class InFlight:
 
     def load(self, worker: WorkerKey) -> tuple[int, int]:
         """(prefill tokens, decode blocks) in flight on ``worker``: what we routed there,
-        plus what its engine reported beyond that (other routers' requests)."""
+        less what the request in prefill has done by now (at the worker's learned rate),
+        plus what its engine reported beyond ours (other routers' requests)."""
+        pre = self.prefill.get(worker, 0)
+        rate = self.rate.get(worker) if pre else None
+        if rate is not None:
+            for head in self.pending[worker]:  # FIFO: the first with work is in prefill now
+                if head.prefill_tokens:
+                    start = max(head.t, self.last_announce.get(worker, head.t))
+                    pre -= min(head.prefill_tokens, max(0, int(rate * (self.clock() - start))))
+                    break
+        dec = self.decode.get(worker, 0)
         extra = self.engine_extra.get(worker)
         if extra is None or self.clock() - extra[2] > self.engine_max_age_s:
-            return self.prefill.get(worker, 0), self.decode.get(worker, 0)
-        return self.prefill.get(worker, 0) + extra[0], self.decode.get(worker, 0) + extra[1]
+            return pre, dec
+        return pre + extra[0], dec + extra[1]
 
     def correct(self, worker: WorkerKey, waiting: float, running: float, t: float) -> None:
         """Correct ``worker``'s estimate with what its engine reported at ``t``: ``waiting``
@@ -309,9 +328,12 @@ class InFlight:
         if not pend:
             return
         done = [r for r in pend[:_CHECKS_PER_BATCH] if resident(r.keys)]
+        if not done:
+            return
+        now = self.clock()
         for r in done:
-            self._close_prefill(r)
-        self.counters["announced"] += len(done)
+            self._learn_rate(r, now)
+            self._prefill_ended(r, "announced")
 
     def expire(self, now: float | None = None) -> None:
         """End what outlived its TTL (prefills, then whole requests)."""
@@ -324,19 +346,39 @@ class InFlight:
             _, _, is_prefill, req = heapq.heappop(heap)
             if is_prefill:
                 if req.prefill_open:
-                    self._close_prefill(req)
-                    self.counters["prefill_expired"] += 1
+                    self._prefill_ended(req, "prefill_expired")
             elif self.requests.get(req.id) is req:
                 self._end(req, "decode_expired")
 
-    def done(self, rid: str) -> bool:
-        """The caller says request ``rid`` finished: release all of it. False when unknown
-        (never issued, already done, or expired)."""
+    def done(self, rid: str) -> bool | None:
+        """The caller says request ``rid`` finished: release all of it (True). False when it
+        had ended already (announced without decode to wait for, done, expired: the last
+        ``max_in_flight`` ended ids are remembered); None when unknown."""
         req = self.requests.get(rid)
         if req is None:
-            return False
+            return False if rid in self._ended else None
         self._end(req, "done")
         return True
+
+    def _prefill_ended(self, req: _Req, why: str) -> None:
+        """The prefill of ``req`` ended (``why``); with no decode to wait for, all of it."""
+        if req.decode_open:
+            self._close_prefill(req)
+            self.counters[why] += 1
+        else:
+            self._end(req, why)
+
+    def _learn_rate(self, req: _Req, now: float) -> None:
+        """A FIFO engine prefilled ``req`` from its arrival or the previous announcement,
+        whichever came later, until ``now``: a sample of the worker's prefill rate."""
+        w = req.worker
+        start = max(req.t, self.last_announce.get(w, req.t))
+        self.last_announce[w] = now
+        dur = now - start
+        if req.prefill_tokens > 0 and dur > 0:
+            obs = req.prefill_tokens / dur
+            old = self.rate.get(w)
+            self.rate[w] = obs if old is None else old + (obs - old) * 0.2
 
     def forget_worker(self, worker: WorkerKey) -> int:
         """End every request of ``worker`` (removed, restarted or cleared: what it was
@@ -345,6 +387,8 @@ class InFlight:
         for r in mine:
             self._end(r, "forgotten")
         self.engine_extra.pop(worker, None)
+        self.rate.pop(worker, None)
+        self.last_announce.pop(worker, None)
         return len(mine)
 
     def _close_prefill(self, req: _Req) -> None:
@@ -360,6 +404,10 @@ class InFlight:
 
     def _end(self, req: _Req, why: str) -> None:
         self.counters[why] += 1
+        ended = self._ended
+        ended[req.id] = None
+        if len(ended) > self.max_in_flight:
+            del ended[next(iter(ended))]
         if req.prefill_open:
             self._close_prefill(req)
         if req.decode_open:

@@ -286,7 +286,7 @@ class Indexer(ZmqTransport):
         kw.setdefault("link", self.link)
         return self.index.route(token_ids, **kw)
 
-    def route_done(self, request_id: str) -> bool:
+    def route_done(self, request_id: str) -> bool | None:
         """Same as :meth:`PrefixIndex.route_done`."""
         return self.index.route_done(request_id)
 

@@ -152,9 +152,10 @@ class Query(Lifecycle):
         with self._lock:
             self.inflight.correct(worker, waiting, running, t)
 
-    def route_done(self, request_id: str) -> bool:
-        """Request ``request_id`` (a route's answer) finished: release its in-flight load.
-        False when the index does not know it (never issued, done, or expired)."""
+    def route_done(self, request_id: str) -> bool | None:
+        """Request ``request_id`` (a route's answer) finished: release its in-flight load
+        (True). False when it had ended already (its prefill announced with no decode to
+        wait for, done before, expired); None when the index does not know it."""
         with self._lock:
             return self.inflight.done(request_id)
 

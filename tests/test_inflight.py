@@ -102,13 +102,17 @@ def test_R_Q_7_decode_load_from_max_tokens_released_by_done_or_ttl(clock):
     assert r2["worker"] == "b/0"
     assert idx.route_done(r["request_id"]) is True
     assert idx.inflight.load(("a", 0)) == (0, 0)  # done ends the prefill too
-    assert idx.route_done(r["request_id"]) is False  # once
-    assert idx.route_done("never-issued") is False
+    assert idx.route_done(r["request_id"]) is False  # once: then it had ended already
+    assert idx.route_done("never-issued") is None
     r = idx.route(p, max_tokens=100)
     clock.advance(61)
     idx.inflight.expire()
     assert idx.inflight.load((r["engine"], 0)) == (0, 0) and idx.route_done(r["request_id"]) is False
     assert idx.inflight.counters["decode_expired"] == 1
+    # Without max_tokens a request is over once its prefill is (nothing lingers).
+    r = idx.route(toks(900, 2, BS))
+    apply(idx, [store(toks(900, 2, BS), BS, 0, 2)], engine=r["engine"])
+    assert r["request_id"] not in idx.inflight.requests and idx.route_done(r["request_id"]) is False
 
 
 @pytest.mark.parametrize("how", ["drop", "restart", "clear"])
@@ -126,6 +130,7 @@ def test_R_Q_6_a_worker_removed_restarted_or_cleared_loses_its_predictions(clock
         apply(idx, [Cleared()], engine="a", seq=1)
     assert idx.match(p).predicted == () and idx.inflight.load(("a", 0)) == (0, 0)
     assert idx.route_done(r["request_id"]) is False and idx.inflight.counters["forgotten"] == 1
+    assert idx.inflight.requests == {}
 
 
 def test_R_Q_6_the_callers_load_replaces_the_index_estimate_for_that_worker_only(clock):
@@ -250,3 +255,26 @@ def test_R_Q_6_predictions_agree_with_an_independent_model(clock, seed):
             if pred > ann:
                 exp[(w, 0)] = pred - ann
         assert got == exp
+
+
+def test_R_Q_7_the_request_in_prefill_counts_only_what_is_left_of_it(clock):
+    """A FIFO engine works on its oldest pending request: at the rate learned from its
+    announcements, that one has done (now - its start) x rate of its tokens already."""
+    idx = fleet(clock)
+    p1, p2, p3 = toks(100, 8, BS), toks(900, 16, BS), toks(5000, 4, BS)
+    idx.route(p1, candidates=["a"])
+    assert idx.inflight.load(("a", 0)) == (128, 0)  # no rate learned yet: all of it
+    clock.advance(2.0)
+    apply(idx, [store(p1, BS, 0, 8)], engine="a")  # 128 tokens in 2 s: 64 tokens/s
+    assert idx.inflight.rate[("a", 0)] == 64.0
+    idx.route(p2, candidates=["a"])  # 256 tokens, starts now (the engine is idle)
+    idx.route(p3, candidates=["a"])  # 64 tokens, waits behind it
+    assert idx.inflight.load(("a", 0)) == (320, 0)
+    clock.advance(1.0)
+    assert idx.inflight.load(("a", 0)) == (320 - 64, 0)
+    clock.advance(10.0)  # p2 should be done by now: at most all of it, never more
+    assert idx.inflight.load(("a", 0)) == (64, 0)
+    # p2 announced late (at 4x the time): the rate learns from it (EMA), p3 starts now.
+    apply(idx, [store(p2, BS, 0, 16)], engine="a", seq=None)
+    assert 64.0 > idx.inflight.rate[("a", 0)] > 40.0
+    assert idx.inflight.load(("a", 0)) == (64, 0)

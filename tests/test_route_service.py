@@ -80,13 +80,14 @@ def test_R_Q_6_R_Q_7_a_route_is_recorded_until_the_engine_announces_it(server, p
     assert m["predicted"] == [] and m["best"]["engine"] == chosen and m["workers"][0]["total_blocks"] == 6
     assert worker(api, chosen)["in_flight"] == {"requests": 1, "prefill_tokens": 0, "decode_blocks": decode}
 
-    # Done: the decode load goes; a second done, or an id never issued, is a 404.
+    # Done: the decode load goes; a second done releases nothing; an id never issued is a 404.
     st, body = api.post(f"/v1/route/{r['request_id']}/done", {})
     assert (st, body) == (200, {"request_id": r["request_id"], "released": True})
     assert worker(api, chosen)["in_flight"] == {"requests": 0, "prefill_tokens": 0, "decode_blocks": 0}
     st, body = api.post(f"/v1/route/{r['request_id']}/done", {})
-    assert st == 404 and r["request_id"] in body["detail"]
-    assert api.post("/v1/route/nope/done", {})[0] == 404
+    assert (st, body) == (200, {"request_id": r["request_id"], "released": False})  # nothing left
+    st, body = api.post("/v1/route/nope/done", {})
+    assert st == 404 and "nope" in body["detail"]
     m1 = api.metrics()
     for outcome, n in (("recorded", 1), ("announced", 1), ("done", 1)):
         assert sample(m1, "kvi_route_records_total", outcome=outcome) - \
