@@ -132,8 +132,9 @@ class Query(Lifecycle):
         with self._lock:
             inf = self.inflight
             inf.expire(self._clock())
+            busy = inf.prefill or inf.decode or inf.engine_extra  # else: nothing to ask per worker
             out = route(res, known, load=load, candidates=candidates, prefill_load_scale=prefill_load_scale,
-                        link=link, in_flight=inf.load)
+                        link=link, in_flight=inf.load if busy else None, index_load=True)
             rid = None
             bs: int = res.block_size  # type: ignore[assignment]  # set just above when None
             if record:

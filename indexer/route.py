@@ -6,7 +6,6 @@ the service's ``POST /v1/route`` and the fleet simulator's index policy.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -32,6 +31,7 @@ def route(
     prefill_load_scale: float = 1.0,
     link: Mapping[tuple[str, int], tuple[bool, bool]] | None = None,
     in_flight: Callable[[tuple[str, int]], tuple[int, int]] | None = None,
+    index_load: bool = False,
 ) -> dict[str, Any]:
     """Rank the candidates by cost, lowest first; the ``/v1/route`` body.
 
@@ -41,8 +41,9 @@ def route(
     cached); ``load`` is keyed ``"engine/rank"`` or ``"engine"``; ``link`` is the
     transport's ``(connected now, ever connected)`` per worker (None: all connected);
     ``in_flight`` gives the index's own ``(prefill tokens, decode blocks)`` estimate of
-    a worker, used where ``load`` names none (a caller's load replaces it). For each
-    candidate:
+    a worker, used where ``load`` names none (a caller's load replaces it); ``index_load``
+    says the index estimates load even when ``in_flight`` is None (it has nothing in
+    flight: every worker's estimate is 0). For each candidate:
 
         score = credit-weighted announced prefix (stale already discounted)
                 + the score of the predicted blocks beyond it (``res.predicted``)
@@ -99,10 +100,12 @@ def route(
     pred = {(e, r): (n, s) for e, r, n, s in res.predicted} if res.predicted else None
     used: set[str] = set()
     ranked = []
+    qb = res.query_blocks
+    idle = (0, 0, "index" if in_flight is not None or index_load else "none")
     for engine, rank in cands:
         key = (engine, rank)
         wm = by_key.get(key)
-        score = wm.score if wm is not None else 0.0
+        score = -wm[0] + 0.0 if wm is not None else 0.0  # (WorkerMatch.score, without the call)
         pblocks = 0
         if pred is not None:
             p = pred.get(key)
@@ -110,31 +113,28 @@ def route(
                 pblocks = p[0]
                 score += p[1]
         name = f"{engine}/{rank}"
-        ld = load.get(name)
-        if ld is not None:
-            used.add(name)
-            source = "caller"
-        else:
-            ld = load.get(engine)
-            if ld is not None:
-                used.add(engine)
-                source = "caller"
-            elif in_flight is not None:
-                ld = Load(*in_flight(key))
-                source = "index"
+        ld: tuple[int, int, str] = idle
+        if load:
+            got = load.get(name)
+            if got is not None:
+                used.add(name)
             else:
-                source = "none"
-        prefill = decode = 0
-        if ld is not None:
-            prefill = math.ceil(ld[0] / bs) if bs else 0
-            decode = ld[1]
-        cost = prefill_load_scale * max(prefill + res.query_blocks - score, 0.0) + decode
+                got = load.get(engine)
+                if got is not None:
+                    used.add(engine)
+            if got is not None:
+                ld = (got[0], got[1], "caller")
+        if ld is idle and in_flight is not None:
+            f = in_flight(key)
+            if f[0] or f[1]:
+                ld = (f[0], f[1], "index")
+        prefill = -(-ld[0] // bs) if bs else 0
+        cost = prefill_load_scale * max(prefill + qb - score, 0.0) + ld[1]
         lk = link.get(key) if link is not None else None
         connected = lk[0] if lk is not None else (None if link is not None else True)
-        never = lk is not None and not lk[1]
-        ranked.append((never, cost, -score, engine, rank, name, wm, stale.get(key, False), connected, pblocks,
-                       (ld[0], ld[1], source) if ld is not None else (0, 0, source)))
-    ranked.sort(key=lambda t: t[:5])
+        ranked.append((lk is not None and not lk[1], cost, -score, engine, rank, name, wm, stale.get(key, False),
+                       connected, pblocks, ld))
+    ranked.sort()  # (never connected, cost, -score, engine, rank) decide: (engine, rank) is unique
     best = ranked[0]
     top_score = max(-t[2] for t in ranked)
     if top_score <= 0:
