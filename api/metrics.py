@@ -191,7 +191,7 @@ class _IndexCollector:
         yield wdec
         fl = st["in_flight"]
         rr = CounterMetricFamily(f"{NS}_route_records", "Routing decisions recorded, and how each ended "
-                                 "(announced, prefill_expired, done, decode_expired, evicted, forgotten).",
+                                 "(announced, prefill_expired, done, decode_expired, evicted, forgotten, engine_done).",
                                  labels=["outcome"])
         for k, n in sorted(fl["outcomes"].items()):
             rr.add_metric([k], n)
