@@ -116,7 +116,9 @@ class InFlight:
         self.pending: dict[WorkerKey, list[_Req]] = {}  # prefill open, routing order
         self.prefill: dict[WorkerKey, int] = {}  # tokens
         self.decode: dict[WorkerKey, int] = {}  # blocks
-        self.per_worker: dict[WorkerKey, int] = {}  # open requests
+        # The same requests by worker, oldest first: what a report, a restart or a count
+        # of one worker reads, without a pass over every request in flight.
+        self.by_worker: dict[WorkerKey, dict[str, _Req]] = {}
         # What an engine reported (its metrics) beyond the requests we routed there:
         # worker -> (extra prefill tokens, extra decode blocks, report time).
         self.engine_extra: dict[WorkerKey, tuple[int, int, float]] = {}
@@ -157,7 +159,7 @@ class InFlight:
         req = _Req(rid, model, worker, array("Q", keys), max(0, prefill_tokens), max(0, decode_blocks), now,
                    now + self.prefill_ttl_s, predict and bool(keys))
         self.requests[rid] = req
-        self.per_worker[worker] = self.per_worker.get(worker, 0) + 1
+        self.by_worker.setdefault(worker, {})[rid] = req
         self._mean_prefill += (req.prefill_tokens - self._mean_prefill) * 0.01
         self._mean_decode += (req.decode_blocks - self._mean_decode) * 0.01
         self.counters["recorded"] += 1
@@ -302,7 +304,7 @@ class InFlight:
         open than it reports) have finished: the oldest end ("engine_done"). Requests it
         has beyond ours are other routers': they count as load, in units of a mean routed
         request, until the next report (or ``engine_max_age_s``)."""
-        mine = [r for r in self.requests.values() if r.worker == worker and r.t <= t
+        mine = [r for r in self.by_worker.get(worker, {}).values() if r.t <= t
                 and (r.prefill_open or r.decode_open)]
         present = max(0, int(waiting)) + max(0, int(running))
         for r in mine[: max(0, len(mine) - present)]:  # oldest first (dict order)
@@ -317,7 +319,7 @@ class InFlight:
             self.engine_extra.pop(worker, None)
 
     def worker_requests(self, worker: WorkerKey) -> int:
-        return self.per_worker.get(worker, 0)
+        return len(self.by_worker.get(worker, ()))
 
     # ------------------------------------------------------------------ end
 
@@ -383,7 +385,7 @@ class InFlight:
     def forget_worker(self, worker: WorkerKey) -> int:
         """End every request of ``worker`` (removed, restarted or cleared: what it was
         going to cache is gone, and so is its queue). Returns how many."""
-        mine = [r for r in self.requests.values() if r.worker == worker]
+        mine = list(self.by_worker.get(worker, {}).values())
         for r in mine:
             self._end(r, "forgotten")
         self.engine_extra.pop(worker, None)
@@ -414,4 +416,7 @@ class InFlight:
             req.decode_open = False
             _take(self.decode, req.worker, req.decode_blocks)
         if self.requests.pop(req.id, None) is not None:
-            _take(self.per_worker, req.worker, 1)
+            mine = self.by_worker[req.worker]
+            del mine[req.id]
+            if not mine:
+                del self.by_worker[req.worker]
