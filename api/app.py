@@ -158,9 +158,9 @@ class Service:
                 record=q.record, max_tokens=q.max_tokens)
         except ValueError as e:  # a malformed candidate or load key, named
             raise HTTPError(422, str(e)) from None
-        except LookupError as e:
-            if isinstance(e, KeyError):
-                raise  # an unknown model: serve_json's 404 / 422
+        except KeyError:
+            raise  # an unknown model: serve_json's 404 / 422
+        except LookupError as e:  # no candidate at all
             raise HTTPError(404, str(e)) from None
         self.metrics.observe("/v1/route", time.perf_counter() - t0, out["ranked"][0]["cached_blocks"])
         return 200, out

@@ -16,10 +16,10 @@ from typing import Any
 
 log = logging.getLogger("kv_indexer.audit")
 
-# Routes that change what the index subscribes to or hand out its whole state:
-# (method, path or path prefix ending in "/").
-MUTATING = frozenset({("POST", "/v1/engines"), ("DELETE", "/v1/engines/"), ("POST", "/register"),
-                      ("POST", "/unregister"), ("GET", "/v1/snapshot")})
+# Routes that change what the index subscribes to or hand out its whole state, by
+# (method, path); and DELETE /v1/engines/{id} (is_mutating).
+MUTATING = frozenset({("POST", "/v1/engines"), ("POST", "/register"), ("POST", "/unregister"),
+                      ("GET", "/v1/snapshot")})
 # Liveness and readiness probes: never behind the token.
 PROBES = frozenset({"/healthz", "/readyz", "/health"})
 
