@@ -7,7 +7,8 @@ gauges ``vllm:num_requests_waiting``, ``vllm:num_requests_running`` and
 URL every ``interval_s`` and hands each DP rank's :class:`EngineLoad` to a callback
 (the in-flight estimate corrects itself with it).
 
-* :func:`check_metrics_url`: what a metrics URL may be (``http://`` or ``https://``);
+* :func:`check_metrics_url` (from :mod:`.engines`): what a metrics URL may be (``http://`` or
+  ``https://``);
 * :func:`parse_vllm_metrics`: Prometheus text -> ``{dp_rank: RankLoad}`` plus an error
   string; never raises;
 * :class:`MetricsScraper`: the daemon thread (targets added and removed at run time).
@@ -53,11 +54,10 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
-from urllib.parse import urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from .engines import MAX_DP_RANK, check_engine_id
+from .engines import MAX_DP_RANK, check_engine_id, check_metrics_url
 
 __all__ = ["EngineLoad", "RankLoad", "Parsed", "ScrapeResult", "ScrapeStats", "MetricsScraper",
            "check_metrics_url", "parse_vllm_metrics", "WAITING", "RUNNING", "KV_USAGE", "GPU_CACHE_USAGE"]
@@ -72,7 +72,6 @@ _NAMES = (WAITING, RUNNING, KV_USAGE, GPU_CACHE_USAGE)
 _NAME_PREFIXES = tuple(n.encode() for n in _NAMES)  # what the scraper keeps of a body, line by line
 
 MAX_BODY_BYTES = 4 << 20  # default cap on the bytes read from one response
-MAX_URL_CHARS = 2048
 MAX_COUNT = 1e7  # more waiting or running requests than this on one rank is not a real engine
 _MAX_LINE = 16_384  # a sample line of ours longer than this is junk (the parser is Python, per char)
 _MAX_LINES = 16_384  # sample lines of ours parsed per exposition, at most
@@ -126,32 +125,6 @@ class ScrapeStats(NamedTuple):
 
 
 # ------------------------------------------------------------------ URLs
-
-
-def check_metrics_url(url: object) -> str:
-    """``url`` when it is an ``http://`` or ``https://`` URL with a host; ValueError saying
-    why otherwise. No credentials in it (they would end up in logs and error strings),
-    no blanks or control characters, at most 2048 characters."""
-    if not isinstance(url, str):
-        raise ValueError(f"metrics URL must be a string, got {type(url).__name__}")
-    if not url or len(url) > MAX_URL_CHARS:
-        raise ValueError(f"metrics URL must be 1-{MAX_URL_CHARS} characters, got {len(url)}")
-    if any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F for c in url) or not url.isascii():
-        raise ValueError(f"metrics URL {url[:100]!r} has blanks, control or non-ASCII characters")
-    try:
-        parts = urlsplit(url)
-        port = parts.port  # ValueError when not 0-65535 digits
-    except ValueError as e:
-        raise ValueError(f"metrics URL {url[:100]!r} is invalid: {e}") from None
-    if parts.scheme.lower() not in ("http", "https"):
-        raise ValueError(f"metrics URL must be http:// or https://, got {url[:100]!r}")
-    if not parts.hostname:
-        raise ValueError(f"metrics URL {url[:100]!r} has no host")
-    if parts.username is not None or parts.password is not None:
-        raise ValueError("metrics URL must not carry credentials (user:password@)")
-    if port == 0:
-        raise ValueError(f"metrics URL {url[:100]!r}: port must be 1-65535")
-    return url
 
 
 # --------------------------------------------------------------- parsing

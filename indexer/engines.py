@@ -5,6 +5,7 @@ vLLM's addressing rules (contract §1 Engine, Worker).
   ranks), validated when built;
 * :func:`offset_endpoint`: vLLM's DP rule, rank ``r`` publishes on the ports plus ``r``;
 * ``END_SEQ``: the sequence frame that ends a replay (``-1`` as 8 signed big-endian bytes);
+* :func:`check_metrics_url`: what an engine's metrics URL may be;
 * :func:`check_engine_id`, :func:`parse_worker`: engine ids and ``engine/rank`` worker
   names, one rule for every surface;
 * :class:`EndpointPolicy`: what a service may connect to (tcp only, an allowlist of
@@ -21,11 +22,12 @@ import re
 import socket
 from collections.abc import Callable, Iterable
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 
 __all__ = ["EngineConfig", "END_SEQ", "EndpointPolicy", "EndpointRefused", "check_endpoint", "check_engine_id",
-           "offset_endpoint", "parse_worker", "as_config"]
+           "check_metrics_url", "offset_endpoint", "parse_worker", "as_config"]
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -89,6 +91,35 @@ def check_endpoint(endpoint: str, what: str) -> None:
         raise ValueError(f"{what}: endpoint must be tcp://, ipc:// or inproc://, got {endpoint!r}")
 
 
+MAX_URL_CHARS = 2048
+
+
+def check_metrics_url(url: object) -> str:
+    """``url`` when it is an ``http://`` or ``https://`` URL with a host; ValueError saying
+    why otherwise. No credentials in it (they would end up in logs and error strings),
+    no blanks or control characters, at most 2048 characters."""
+    if not isinstance(url, str):
+        raise ValueError(f"metrics URL must be a string, got {type(url).__name__}")
+    if not url or len(url) > MAX_URL_CHARS:
+        raise ValueError(f"metrics URL must be 1-{MAX_URL_CHARS} characters, got {len(url)}")
+    if any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F for c in url) or not url.isascii():
+        raise ValueError(f"metrics URL {url[:100]!r} has blanks, control or non-ASCII characters")
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError when not 0-65535 digits
+    except ValueError as e:
+        raise ValueError(f"metrics URL {url[:100]!r} is invalid: {e}") from None
+    if parts.scheme.lower() not in ("http", "https"):
+        raise ValueError(f"metrics URL must be http:// or https://, got {url[:100]!r}")
+    if not parts.hostname:
+        raise ValueError(f"metrics URL {url[:100]!r} has no host")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("metrics URL must not carry credentials (user:password@)")
+    if port == 0:
+        raise ValueError(f"metrics URL {url[:100]!r}: port must be 1-65535")
+    return url
+
+
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One vLLM engine (contract §1): its DP rank ``r`` publishes on the ports plus ``r``.
 
@@ -125,8 +156,6 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if self.replay_endpoint is not None:
                 check_endpoint(offset_endpoint(self.replay_endpoint, r), f"engine {self.id} replay_endpoint")
         if self.metrics_url is not None:
-            from .engine_metrics import check_metrics_url  # it imports this module
-
             try:
                 check_metrics_url(self.metrics_url)
             except ValueError as e:
@@ -177,8 +206,6 @@ class EndpointPolicy:
     def check(self, cfg: EngineConfig) -> None:
         """Raise :class:`EndpointRefused` unless every endpoint of ``cfg`` is allowed."""
         if cfg.metrics_url is not None and not self.open:
-            from urllib.parse import urlsplit
-
             self._check_host(cfg.id, "metrics_url", urlsplit(cfg.metrics_url).hostname or "")
         for what, ep in (("endpoint", cfg.endpoint), ("replay_endpoint", cfg.replay_endpoint)):
             if ep is None:
