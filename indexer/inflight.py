@@ -141,7 +141,7 @@ class InFlight:
 
     # ------------------------------------------------------------------ record
 
-    def record(self, model: str, worker: WorkerKey, keys: Sequence[int], prefill_tokens: int,
+    def record(self, model: str, worker: WorkerKey, keys: Iterable[int], prefill_tokens: int,
                decode_blocks: int, predict: bool = True) -> str:
         """Record one routing decision; returns its request id.
 
@@ -156,8 +156,9 @@ class InFlight:
             self._end(next(iter(self.requests.values())), "evicted")
         self._n += 1
         rid = f"{self._prefix}{self._n:x}"
-        req = _Req(rid, model, worker, array("Q", keys), max(0, prefill_tokens), max(0, decode_blocks), now,
-                   now + self.prefill_ttl_s, predict and bool(keys))
+        arr = array("Q", keys)
+        req = _Req(rid, model, worker, arr, max(0, prefill_tokens), max(0, decode_blocks), now,
+                   now + self.prefill_ttl_s, predict and len(arr) > 0)
         self.requests[rid] = req
         self.by_worker.setdefault(worker, {})[rid] = req
         self._mean_prefill += (req.prefill_tokens - self._mean_prefill) * 0.01

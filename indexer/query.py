@@ -7,6 +7,7 @@ come out in), never what the index holds (R-Q-4)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 from .keys import (
@@ -141,9 +142,9 @@ class Query(Lifecycle):
                 top = out["ranked"][0]
                 held = (top["cached_blocks"] + top["predicted_blocks"]) * bs
                 decode = -(-(ntok + max_tokens) // bs) if max_tokens else 0
-                keys = [k for chunk in keys_for(bs) for k in chunk]
+                keys = chain.from_iterable(keys_for(bs))  # InFlight copies them into one array
                 rid = inf.record(res.model, (out["engine"], out["dp_rank"]), keys, ntok - held, decode,
-                                 predict=top["cached_blocks"] < len(keys))
+                                 predict=top["cached_blocks"] < ntok // bs)
             out["request_id"] = rid
             return out
 
