@@ -370,8 +370,7 @@ class _App(FastAPI):
                 refused = auth.refuse(scope)
                 if refused is not None:
                     status, msg, headers = refused
-                    key = "error" if scope["path"] in dynamo.PATHS else "detail"
-                    await _send(send, status, error_body(msg, key), headers)
+                    await _send(send, status, error_body(msg, dynamo.error_key(scope["path"])), headers)
                     return
             routes = self.fast_routes
             if routes is not None and scope["method"] == "POST":
@@ -568,7 +567,7 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
                               and r.path_regex.match(path)  # type: ignore[attr-defined]  # checked just above
                               for m in (getattr(r, "methods", None) or ())})
             headers["Allow"] = ", ".join(allowed)
-        key = "error" if request.url.path in dynamo.PATHS else "detail"  # Dynamo's error shape on its routes
+        key = dynamo.error_key(request.url.path)  # Dynamo's error shape on its routes
         return Response(error_body(str(exc.detail), key), status_code=exc.status_code, headers=headers,
                         media_type=JSON)
 

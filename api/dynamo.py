@@ -30,6 +30,11 @@ from .common import ENC, JSON, HTTPError, u64_keys
 OK = b'{"status":"ok"}'
 # Dynamo's routes: errors there are {"error": ...}, 405 and 401/403 included.
 PATHS = frozenset({"/register", "/unregister", "/query", "/query_by_hash", "/workers", "/health"})
+
+
+def error_key(path: str) -> str:
+    """The member an error body on ``path`` says its message in: Dynamo's or ours."""
+    return "error" if path in PATHS else "detail"
 DEFAULT_GROUP = "default"
 
 
