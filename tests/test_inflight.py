@@ -78,7 +78,7 @@ def test_R_Q_6_a_partly_cached_prompt_counts_only_its_uncached_tokens(clock):
     assert r["worker"] == "c/0" and idx.inflight.load(("c", 0)) == (0, 0)
 
 
-def test_R_Q_6_predictions_and_prefill_load_end_after_their_ttl(clock):
+def test_R_Q_4_R_Q_6_predictions_and_prefill_load_end_after_their_ttl(clock):
     idx = fleet(clock, prefill_ttl_s=10.0)
     p = toks(100, 4, BS)
     idx.route(p)
