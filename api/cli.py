@@ -53,6 +53,14 @@ _HELP = {
     "decode_ttl_s": "seconds a route's decode load (max_tokens) lasts without POST /v1/route/{id}/done",
     "max_in_flight": "routed requests kept in flight at most (the oldest beyond are forgotten, counted)",
     "metrics_interval_s": "seconds between scrapes of engines' vLLM /metrics (engines with a metrics_url)",
+    "state_dir": "directory of the index's snapshot (warm restart: loaded at start, written every "
+    "snapshot_interval_s and on SIGTERM); unset = start empty",
+    "snapshot_interval_s": "seconds between snapshots to the state dir or the object store; 0 = only on SIGTERM",
+    "bootstrap_from": "a peer's base URL: copy its state (GET /v1/snapshot) at start, then follow the engines",
+    "nats_url": "NATS server: consume the relay's JetStream event log instead of the engines' ZMQ",
+    "nats_stream": "JetStream stream of the event log",
+    "nats_subject": "subject the relay publishes batches on",
+    "nats_bucket": "JetStream object-store bucket of snapshots",
     "log_level": "critical, error, warning, info or debug",
     "log_json": "log one JSON object per line",
     "access_log": "log every HTTP request",
@@ -165,6 +173,10 @@ def build_parser(prog: str = "kv-indexer") -> argparse.ArgumentParser:
     s.add_argument("--max-request-tokens", type=int, help=_HELP["max_request_tokens"])
     s.add_argument("--max-nodes", type=int, help=_HELP["max_nodes"])
     s.add_argument("--replay-timeout-s", type=float, help=_HELP["replay_timeout_s"])
+    s.add_argument("--state-dir", metavar="DIR", help=_HELP["state_dir"])
+    s.add_argument("--snapshot-interval-s", type=float, metavar="S", help=_HELP["snapshot_interval_s"])
+    s.add_argument("--bootstrap-from", metavar="URL", help=_HELP["bootstrap_from"])
+    s.add_argument("--nats", dest="nats_url", metavar="URL", help=_HELP["nats_url"])
     s.add_argument("--demo", action="store_true", default=None, help=_HELP["demo"])
     s.add_argument("--demo-speedup", type=float, help=_HELP["demo_speedup"])
     s.add_argument("--check", action="store_true", help="validate the settings, print them as JSON and exit")
@@ -440,6 +452,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "prefill_ttl_s": args.prefill_ttl_s,
             "decode_ttl_s": args.decode_ttl_s,
             "max_in_flight": args.max_in_flight,
+            "state_dir": args.state_dir,
+            "snapshot_interval_s": args.snapshot_interval_s,
+            "bootstrap_from": args.bootstrap_from,
+            "nats_url": args.nats_url,
         }
         if args.engine:
             overrides["engines"] = [parse_engine_spec(e) for e in args.engine]

@@ -100,6 +100,21 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     max_in_flight: int = 20_000
     # How often engines with a metrics_url (vLLM /metrics) are scraped for their queues.
     metrics_interval_s: float = 2.0
+    # Warm restarts: the directory the index's snapshot is kept in (a mounted volume);
+    # unset = no snapshot, a restart starts empty.
+    state_dir: str | None = None
+    # How often the snapshot is written (also on SIGTERM); 0 = only on SIGTERM.
+    snapshot_interval_s: float = 60.0
+    # A peer's base URL (http://HOST:PORT): at start, copy its state (GET /v1/snapshot),
+    # engine registry included, then follow the engines from the snapshot's seqs.
+    bootstrap_from: str | None = None
+    # NATS server URL: consume the relay's JetStream event log instead of ZMQ (and keep
+    # snapshots in JetStream's object store); unset = subscribe to the engines directly.
+    nats_url: str | None = None
+    # The JetStream stream, its subject and the object-store bucket of snapshots.
+    nats_stream: str = "KVI_EVENTS"
+    nats_subject: str = "kvi.events"
+    nats_bucket: str = "kvi-snapshots"
     log_level: str = "info"
     log_json: bool = False
     access_log: bool = False
@@ -145,6 +160,20 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
                 bad(name, f"must be > 0, got {getattr(self, name)}")
         if not self.metrics_interval_s > 0:
             bad("metrics_interval_s", f"must be > 0, got {self.metrics_interval_s}")
+        if self.snapshot_interval_s < 0:
+            bad("snapshot_interval_s", f"must be >= 0 (0 = only on SIGTERM), got {self.snapshot_interval_s}")
+        if self.state_dir is not None and not self.state_dir:
+            bad("state_dir", "must not be empty")
+        if self.bootstrap_from is not None and not self.bootstrap_from.startswith(("http://", "https://")):
+            bad("bootstrap_from", f"must be an http:// or https:// URL, got {self.bootstrap_from!r}")
+        if self.nats_url is not None and not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
+            bad("nats_url", f"must be a nats://, tls://, ws:// or wss:// URL, got {self.nats_url!r}")
+        for name in ("nats_stream", "nats_bucket"):
+            v = getattr(self, name)
+            if not v or not all(c.isalnum() or c in "-_" for c in v):
+                bad(name, f"must be letters, digits, '-' and '_', got {v!r}")
+        if not self.nats_subject or any(c.isspace() or c in "*>" for c in self.nats_subject):
+            bad("nats_subject", f"must be a NATS subject without wildcards, got {self.nats_subject!r}")
         if self.max_in_flight < 1:
             bad("max_in_flight", f"must be >= 1, got {self.max_in_flight}")
         for tier, c in self.credits.items():
