@@ -98,6 +98,12 @@ class Lifecycle(Removal):
         with self._lock:
             self._worker(engine, dp_rank, model)
 
+    def worker_position(self, engine: str, dp_rank: int = 0) -> tuple[int | None, float | None, bool] | None:
+        """``(last_seq, last_ts, stale)`` of a worker (where its stream stands), or None."""
+        with self._lock:
+            w = self._workers.get((engine, dp_rank))
+            return None if w is None else (w.last_seq, w.last_ts, w.stale)
+
     def mark_stale(self, engine: str, dp_rank: int = 0, reason: str = "stale") -> None:
         """Mark a worker stale with ``reason``; its index is kept and answers say so."""
         with self._lock:

@@ -119,7 +119,7 @@ class Stream:
         "sink", "max_buffered", "replay_timeout_s", "clock", "last", "anchor_seq", "anchor_ts",
         "full_history", "unproven", "replaying", "proving", "replay_start", "replay_next",
         "replay_target", "replay_deadline", "replay_failed", "pending", "epoch", "restarts", "gaps",
-        "replays_ok", "replays_failed", "reconnects", "replayed_lo", "replayed_hi",
+        "replays_ok", "replays_failed", "reconnects", "replayed_lo", "replayed_hi", "resumed",
     )
 
     def __init__(self, sink: Sink, *, max_buffered: int = 100_000, replay_timeout_s: float = 5.0,
@@ -152,6 +152,19 @@ class Stream:
         # The seqs the latest replay applied: live copies of them are the only
         # duplicates PUB can deliver (it never repeats a message on a connection).
         self.replayed_lo = self.replayed_hi = -1
+        self.resumed = False  # restored from a snapshot, not connected since
+
+    def resume(self, last_seq: int, last_ts: float | None, full_history: bool) -> None:
+        """Start from a snapshot: the index holds this worker's batches up to ``last_seq``
+        (the last one's ts ``last_ts``). The first connect proves continuity from there
+        at once (R-DUR-2: a replay from ``last_seq``, which then brings what was missed),
+        rather than waiting for the engine's next batch: an idle engine that restarted
+        while we were down must not keep its old cache in the index."""
+        self.last = self.anchor_seq = last_seq
+        self.anchor_ts = last_ts
+        self.full_history = full_history
+        self.unproven = True
+        self.resumed = True
 
     # ------------------------------------------------------------------ live
 
@@ -217,7 +230,16 @@ class Stream:
         """The live socket (re)connected: the next batch must prove that it comes from
         the incarnation the index holds (R-STR-7). Also during a replay: its answer may
         be the previous incarnation's. (A first batch at seq 0, or a late join's replay
-        from 0, needs no proof: it starts the history afresh.)"""
+        from 0, needs no proof: it starts the history afresh.) A stream resumed from a
+        snapshot asks for the proof on its first connect (:meth:`resume`)."""
+        if self.resumed and not self.replaying:
+            self.resumed = False
+            self.epoch += 1
+            if self.anchor_seq is not None:
+                self._replay(self.anchor_seq, None)
+                return
+            self.unproven = True
+            return
         if self.last is not None or self.replaying:
             self.reconnects += 1
             self.sink.count(self, "reconnects")

@@ -42,6 +42,8 @@ __all__ = [
     "raw_array_len",
     "decode_tokens",
     "token_bytes",
+    "encode_stored",
+    "decode_stored",
 ]
 
 # Every struct below is built from the one declaration of vLLM's events in
@@ -292,3 +294,23 @@ def token_bytes(raw: Raw) -> bytes:
         if b is not None:
             return b
     return tokens_to_bytes(decode_tokens(raw))
+
+
+_STORED_TAG = next(ev.tag for ev in EVENTS if ev.kind == STORED)
+_STORED_FIELDS = tuple(_LENIENT_MAP[_STORED_TAG].__struct_fields__)
+_stored_map: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(_LENIENT_MAP[_STORED_TAG])
+
+
+def encode_stored(ev: StoredEvent) -> bytes:
+    """One decoded store, of either layout, as a map-layout ``BlockStored`` (what a
+    snapshot keeps of an orphan); :func:`decode_stored` reads it back."""
+    d: dict[str, Any] = {"type": _STORED_TAG}
+    for f in _STORED_FIELDS:
+        d[f] = getattr(ev, f)
+    return msgspec.msgpack.encode(d)
+
+
+def decode_stored(data: bytes) -> StoredEvent:
+    """The store :func:`encode_stored` wrote (raises ``msgspec.DecodeError``)."""
+    ev: StoredEvent = _stored_map.decode(data)
+    return ev

@@ -553,6 +553,26 @@ class PartitionChunkMachine(IndexMachine):
     PREFIXES = False
 
 
+class SnapshotMachine(IndexMachine):
+    """R-DUR-1: at any step the index may be written to a snapshot and restored into a
+    new process's empty index; the restored index must keep agreeing with the model
+    (same answers, sizes, orphans, freshness) as the steps go on."""
+
+    PREFIXES = False
+
+    @rule(capped=st.booleans())
+    def snapshot_restore(self, capped) -> None:
+        from indexer.snapshot import dumps, loads
+
+        data = dumps(self.idx, meta={"step": len(self.history)})
+        fresh = PrefixIndex(orphan_ttl_s=1e9, max_nodes=10_000 if capped else None)
+        snap = loads(data)
+        assert snap.meta == {"step": len(self.history)}
+        snap.restore(fresh)
+        self.idx.close()
+        self.idx = fresh
+
+
 _SETTINGS = settings(
     max_examples=150, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
@@ -564,6 +584,9 @@ TestR_APP_stateful_aligned_chunks.settings = _SETTINGS
 # Shorter runs: these two only vary the chunking; the aligned machine covers the rest.
 TestR_APP_5_stateful_chunk_size_per_group = PerGroupChunkMachine.TestCase
 TestR_APP_5_stateful_chunk_size_per_group.settings = settings(_SETTINGS, max_examples=100, stateful_step_count=12)
+
+TestR_DUR_1_stateful_snapshot_restore = SnapshotMachine.TestCase
+TestR_DUR_1_stateful_snapshot_restore.settings = settings(_SETTINGS, max_examples=120, stateful_step_count=30)
 
 TestR_APP_5_stateful_variable_chunks = PartitionChunkMachine.TestCase
 TestR_APP_5_stateful_variable_chunks.settings = settings(_SETTINGS, max_examples=60, stateful_step_count=12)
