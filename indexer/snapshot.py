@@ -40,6 +40,7 @@ import msgspec
 import xxhash
 from msgspec import Struct
 
+from ._compiled import core as _core
 from .state import _WG, _Model, _Worker
 from .tree import Kids, Node, Tree
 from .wire import decode_stored, encode_stored
@@ -240,27 +241,30 @@ def _mask_int(b: bytes) -> int:
     return int.from_bytes(b, "little")
 
 
-def _py_dump_tree(root: Node) -> tuple[list[Node], bytes, bytes, bytes, list[int], list[Node]]:
-    """Walk one tree in preorder (iterative). Returns ``(nodes, parents, keys, mask_ids,
-    masks, extra)``: ``nodes`` with the root first, the three uint32/uint64 columns of
-    every node but the root, the distinct GPU masks, and the nodes with tiers or dups.
-    Read-only."""
-    nodes: list[Node] = [root]
+def _py_dump_tree(root: Node) -> tuple[bytes, bytes, bytes, list[int], list[tuple[int, Node]], dict[Node, int]]:
+    """Walk one tree in preorder (iterative; node 0 is the root). Returns ``(parents,
+    keys, mask_ids, masks, extra, where)``: the uint32/uint64/uint32 columns of every
+    node but the root, the distinct GPU masks (ints) in order of first use, ``(index,
+    node)`` of the nodes with tiers or dups, and ``where``: node -> index, for every
+    node the walk met (``where.get(node)``). Read-only. ``_core.dump_tree`` is the
+    compiled twin (its ``where`` is a compact table with the same ``get``)."""
+    where: dict[Node, int] = {root: 0}
     parents = array(_U32)
     keys = array(_U64C)
     mids = array(_U32)
     mask_ids: dict[int, int] = {}
     masks: list[int] = []
-    extra: list[Node] = []
+    extra: list[tuple[int, Node]] = []
     stack: list[tuple[Node, int]] = []
     kids: Any = root.kids
     if kids is not None:
         for child in (kids.values() if kids.__class__ is Kids else (kids,)):
             stack.append((child, 0))
+    i = 0
     while stack:
         node, p = stack.pop()
-        i = len(nodes)
-        nodes.append(node)
+        i += 1
+        where[node] = i
         parents.append(p)
         keys.append(node.key)
         m = node.gpu
@@ -270,7 +274,7 @@ def _py_dump_tree(root: Node) -> tuple[list[Node], bytes, bytes, bytes, list[int
             masks.append(m)
         mids.append(mi)
         if node.tiers is not None or node.dup is not None:
-            extra.append(node)
+            extra.append((i, node))
         kids = node.kids
         if kids is not None:
             if kids.__class__ is Kids:
@@ -278,28 +282,49 @@ def _py_dump_tree(root: Node) -> tuple[list[Node], bytes, bytes, bytes, list[int
                     stack.append((child, i))
             else:
                 stack.append((kids, i))
-    return nodes, parents.tobytes(), keys.tobytes(), mids.tobytes(), masks, extra
+    return parents.tobytes(), keys.tobytes(), mids.tobytes(), masks, extra, where
+
+
+def _py_dump_map(wmap: Kids, where: Any) -> tuple[bytes, bytes, list[tuple[Any, int]]]:
+    """A worker's engine-hash map as ``(uint64 hashes, uint32 node indices, other)``:
+    ``other`` holds the entries whose hash is not an int in [0, 2**64) (bytes
+    digests). Entries whose node ``where`` does not know (freed by the node cap) are
+    left out. Read-only. ``_core.dump_map`` is the compiled twin."""
+    hashes = array(_U64C)
+    idx = array(_U32)
+    other: list[tuple[Any, int]] = []
+    get = where.get
+    for h, node in wmap.items():
+        i = get(node)
+        if i is None:
+            continue
+        if h.__class__ is int and 0 <= h <= _U64:
+            hashes.append(h)
+            idx.append(i)
+        else:
+            other.append((h, i))
+    return hashes.tobytes(), idx.tobytes(), other
 
 
 def _cut(index: PrefixIndex, engines: list[dict[str, Any]], meta: dict[str, Any]) -> Body:
     now = index._clock()
     models: list[ModelSnap] = []
     # per (model, group): node -> index, for the worker maps and chunk ends
-    where: dict[tuple[str, int], dict[Node, int]] = {}
+    where: dict[tuple[str, int], Any] = {}
     for name, mo in index._models.items():
         trees = []
         for g, tree in mo.trees.items():
-            nodes, parents, keys, mids, masks, extra = _py_dump_tree(tree.root)
-            pos = {n: i for i, n in enumerate(nodes)}
+            parents, keys, mids, masks, extra, pos = dump_tree(tree.root)
             where[(name, g)] = pos
-            extras = [(pos[n],
+            extras = [(i,
                        None if n.tiers is None else [(t, _mask_bytes(v)) for t, v in n.tiers.items()],
-                       None if n.dup is None else list(n.dup.items())) for n in extra]
+                       None if n.dup is None else list(n.dup.items())) for i, n in extra]
             stamps = None
             if tree.stamps is not None:
-                st = array(_U64C, bytes(8 * (len(nodes) - 1)))
+                st = array(_U64C, bytes(2 * len(parents)))  # 8 bytes per node: parents has 4
+                get = pos.get
                 for n, s in tree.stamps.items():
-                    i = pos.get(n)
+                    i = get(n)
                     if i:
                         st[i - 1] = s
                 stamps = st.tobytes()
@@ -312,7 +337,7 @@ def _cut(index: PrefixIndex, engines: list[dict[str, Any]], meta: dict[str, Any]
         groups = []
         for g, wg in w.groups.items():
             wg_of[id(wg)] = (w.wid, g)
-            groups.append(_group_snap(g, wg, where.get((w.model, g), {})))
+            groups.append(_group_snap(g, wg, where.get((w.model, g)) or {}))
         workers.append(WorkerSnap(
             w.wid, w.engine, w.dp_rank, w.model, w.last_seq, w.last_ts,
             None if w.last_apply is None else max(0.0, now - w.last_apply), w.stale, w.stale_reason,
@@ -329,30 +354,20 @@ def _cut(index: PrefixIndex, engines: list[dict[str, Any]], meta: dict[str, Any]
                 engines=engines, meta=meta)
 
 
-def _group_snap(g: int, wg: _WG, pos: dict[Node, int]) -> GroupSnap:
-    hashes = array(_U64C)
-    idx = array(_U32)
-    other: list[tuple[Any, int]] = []
-    for h, node in wg.map.items():
-        i = pos.get(node)
-        if i is None:
-            continue  # freed by the node cap (DEAD): the map entry is dropped on lookup anyway
-        if h.__class__ is int and 0 <= h <= _U64:
-            hashes.append(h)
-            idx.append(i)
-        else:
-            other.append((h, i))
+def _group_snap(g: int, wg: _WG, pos: Any) -> GroupSnap:
+    hashes, idx, other = dump_map(wg.map, pos)
     ends = []
+    get = pos.get
     for tid, em in wg.ends.items():
         ni = array(_U32)
         nb = array(_U32)
         for node, n in em.items():
-            i = pos.get(node)
+            i = get(node)
             if i is not None:
                 ni.append(i)
                 nb.append(n)
         ends.append((tid, ni.tobytes(), nb.tobytes()))
-    return GroupSnap(g, hashes.tobytes(), idx.tobytes(), other, list(wg.res), ends)
+    return GroupSnap(g, hashes, idx, other, list(wg.res), ends)
 
 
 # ---------------------------------------------------------------- the restore
@@ -387,6 +402,24 @@ def _py_load_tree(root: Node, parents: bytes, keys: bytes, mask_ids: bytes, mask
     return nodes
 
 
+def _py_load_map(wmap: Kids, hashes: bytes, idx: bytes, nodes: list[Node]) -> None:
+    """Put ``hashes[i] -> nodes[idx[i]]`` into a worker's map (the columns
+    :func:`_py_dump_map` wrote). ``_core.load_map`` is the compiled twin."""
+    hs, ix = array(_U64C, hashes), array(_U32, idx)
+    if len(hs) != len(ix):
+        raise ValueError(f"{len(hs)} hashes, {len(ix)} node indices")
+    for h, i in zip(hs, ix):
+        wmap[h] = nodes[i]
+
+
+# The compiled twins when the core has them (an older build, or KVI_PURE_PYTHON=1: the
+# pure ones); tests/test_snapshot.py holds both to the same bytes and nodes.
+dump_tree = getattr(_core, "dump_tree", None) or _py_dump_tree
+dump_map = getattr(_core, "dump_map", None) or _py_dump_map
+load_tree = getattr(_core, "load_tree", None) or _py_load_tree
+load_map = getattr(_core, "load_map", None) or _py_load_map
+
+
 def _restore(index: PrefixIndex, body: Body) -> None:
     index._tier_names[:] = body.tier_names
     index._tier_ids.clear()
@@ -403,7 +436,7 @@ def _restore(index: PrefixIndex, body: Body) -> None:
         for ts in ms.trees:
             tree = Tree(ts.group, ts.block_size, capped)
             masks = [_mask_int(b) for b in ts.masks]
-            nodes = _py_load_tree(tree.root, ts.parents, ts.keys, ts.mask_ids, masks)
+            nodes = load_tree(tree.root, ts.parents, ts.keys, ts.mask_ids, masks)
             tree.nodes = len(nodes) - 1
             for i, tiers, dup in ts.extras:
                 node = nodes[i]
@@ -456,11 +489,7 @@ def _restore(index: PrefixIndex, body: Body) -> None:
 def _load_group(gs: GroupSnap, nodes: list[Node], max_tiers: int) -> _WG:
     wg = _WG()
     wmap = wg.map
-    hs, ix = array(_U64C, gs.hashes), array(_U32, gs.nodes)
-    if len(hs) != len(ix):
-        raise ValueError(f"group {gs.group}: {len(hs)} hashes, {len(ix)} node indices")
-    for h, i in zip(hs, ix):
-        wmap[h] = nodes[i]
+    load_map(wmap, gs.hashes, gs.nodes, nodes)
     for h, i in gs.other:
         wmap[h] = nodes[i]
     res = list(gs.res)[:max_tiers]
