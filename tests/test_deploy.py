@@ -1,7 +1,8 @@
 """Deploy artefacts, tested with what runs here (no Docker engine, no helm): the chart's YAML
 parses and lints, every ``.Values`` path a template uses exists, the templates render (by a
 small Go-template interpreter below, the subset the chart uses) to the hand-rendered examples
-in docs/deploy.md, the token and NetworkPolicy switches render what they promise, and the
+in docs/deploy.md, the token, NetworkPolicy and durable-state switches (persistence, peer
+bootstrap, relay and NATS) render what they promise or are refused by name, and the
 Dockerfile's install step works in a fresh virtual environment and its entry point starts."""
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def yaml_blocks() -> list[str]:
 
 def rendered_example() -> str:
     """docs/deploy.md's hand render of the default values (+ serviceMonitor)."""
-    return next(b for b in yaml_blocks() if "kind: Deployment" in b)
+    return next(b for b in yaml_blocks() if "kind: Deployment" in b and "kind: ConfigMap" in b)
 
 
 def secure_values() -> dict:
@@ -49,7 +50,21 @@ def secure_values() -> dict:
 
 def secure_example() -> str:
     """What the docs say those values render (the manifests that change or appear)."""
-    return next(b for b in yaml_blocks() if "kind: NetworkPolicy" in b)
+    return next(b for b in yaml_blocks() if "kind: NetworkPolicy" in b and "kind: Secret" in b)
+
+
+def state_block(shape: int, what: str) -> str:
+    """docs/deploy.md's durable-state examples, each block opened by a comment line:
+    ``# Shape N values``, ``# Shape N renders`` (manifests that appear or change) and
+    ``# Shape N: the Deployment's spec`` (what the replicas' Deployment spec gains)."""
+    head = {"values": f"# Shape {shape} values\n", "renders": f"# Shape {shape} renders\n",
+            "spec": f"# Shape {shape}: the Deployment's spec\n"}[what]
+    (block,) = [b for b in yaml_blocks() if b.startswith(head)]
+    return block
+
+
+def state_examples() -> list[dict]:
+    return [d for n in (1, 2, 3) for d in yaml.safe_load_all(state_block(n, "renders")) if d]
 
 
 def secure_pod_fragment() -> str:
@@ -291,7 +306,7 @@ def _print(*args) -> str:
 
 def _printf(fmt: str, *args) -> str:
     it = iter(args)
-    return re.sub(r"%[sdv]", lambda m: _text(next(it)), fmt)
+    return re.sub(r"%[sdvq]", lambda m: json.dumps(_text(next(it))) if m.group() == "%q" else _text(next(it)), fmt)
 
 
 def _trunc(n: int, s: str) -> str:
@@ -333,6 +348,10 @@ FUNCS = {
     "eq": lambda a, *b: any(a == x for x in b),
     "ne": lambda a, b: a != b,
     "lt": lambda a, b: a < b,
+    "gt": lambda a, b: a > b,
+    "int": int,
+    "list": lambda *a: list(a),
+    "hasPrefix": lambda prefix, s: s.startswith(prefix),
     "len": len,
     "empty": lambda v: not _truth(v),
     "default": lambda d, v=None: v if _truth(v) else d,
@@ -510,9 +529,20 @@ def test_chart_and_values_parse_with_what_helm_needs():
     assert s.allowed_endpoints == () and v["config"]["allowed_endpoints"] == []
     # Security is opt-in: no token, no NetworkPolicy, unless the values say so.
     assert v["auth"] == {"token": "", "existingSecret": "", "secretKey": "token", "authReads": False}
-    assert v["networkPolicy"] == {"enabled": False, "ingressFrom": [], "dnsTo": [], "engineEgress": []}
+    assert v["networkPolicy"] == {"enabled": False, "ingressFrom": [], "dnsTo": [], "engineEgress": [],
+                                  "natsTo": [], "natsPort": 4222}
+    # So is durable state: no volume, no bootstrap, no relay, no NATS (docs/state.md).
+    assert not any(v[k]["enabled"] for k in ("persistence", "bootstrap", "relay", "nats"))
+    assert v["nats"]["url"] == "" and v["relay"]["replicaCount"] == 2
+    # The names the chart gives the relay and the replicas are the service's own defaults.
+    d = load_settings(None, {}, env={})
+    assert (v["nats"]["stream"], v["nats"]["subject"], v["nats"]["bucket"]) == (
+        d.nats_stream, d.nats_subject, d.nats_bucket)
+    assert v["persistence"]["snapshotIntervalS"] == v["nats"]["snapshotIntervalS"] == d.snapshot_interval_s
     assert {p.name for p in TEMPLATES} == {"configmap.yaml", "deployment.yaml", "service.yaml",
-                                          "servicemonitor.yaml", "pdb.yaml", "secret.yaml", "networkpolicy.yaml"}
+                                          "servicemonitor.yaml", "pdb.yaml", "secret.yaml", "networkpolicy.yaml",
+                                          "pvc.yaml", "service-peers.yaml", "relay.yaml", "pdb-relay.yaml",
+                                          "networkpolicy-relay.yaml"}
     assert (CHART / "templates" / "NOTES.txt").exists() and (CHART / "templates" / "_helpers.tpl").exists()
 
 
@@ -536,7 +566,7 @@ def test_the_hand_rendered_example_has_the_templates_shape():
     secure = [d for d in yaml.safe_load_all(secure_example()) if d]
     assert {d["kind"] for d in secure} == {"Secret", "ConfigMap", "ServiceMonitor", "NetworkPolicy"}
     example_paths: dict[str, set[str]] = {}
-    for d in docs + secure:
+    for d in docs + secure + state_examples():
         example_paths.setdefault(d["kind"], set()).update(
             key_paths(yaml.safe_dump(d, sort_keys=False, default_flow_style=False)))
     for t in TEMPLATES:
@@ -771,6 +801,206 @@ def test_the_network_policy_renders_the_given_peers_and_ports():
     assert np["egress"] == [{"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
                              "to": dns}] + engines
     assert "networkPolicy.engineEgress" not in notes
+
+
+NATS = "nats://nats.nats.svc:4222"
+FULL = "kvi-kv-prefix-indexer"
+
+
+def named(kinds: dict[str, list[dict]], kind: str, name: str) -> dict:
+    (d,) = [d for d in kinds.get(kind, []) if d["metadata"]["name"] == name]
+    return d
+
+
+def env_of(deployment: dict) -> dict[str, str]:
+    (c,) = deployment["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e.get("value") for e in c.get("env", [])}
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    """A label selector (matchLabels, matchExpressions In/NotIn) matches these labels."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        inside = labels.get(e["key"]) in e["values"]
+        if (e["operator"] == "In") != inside:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("shape", [1, 2, 3])
+def test_the_templates_render_the_documented_state_examples(shape):
+    """docs/deploy.md, "Durable state in the chart": each shape's values render the manifests
+    shown, the replicas' Deployment gains the fragment shown, and the settings the pods get
+    (ConfigMap + environment) are settings the service accepts."""
+    v = yaml.safe_load(state_block(shape, "values"))
+    kinds, notes = render(v)
+    for d in yaml.safe_load_all(state_block(shape, "renders")):
+        got = named(kinds, d["kind"], d["metadata"]["name"])
+        assert comparable(got) == comparable(d), (d["kind"], d["metadata"]["name"])
+    indexer = named(kinds, "Deployment", FULL)
+    assert contains(indexer["spec"], yaml.safe_load(state_block(shape, "spec")))
+    from api.settings import load_settings
+
+    s = load_settings(None, config_of(kinds), env=env_of(indexer))
+    if shape == 1:
+        assert s.state_dir == "/var/lib/kv-indexer" and s.bootstrap_from is None and s.nats_url is None
+    elif shape == 2:
+        assert s.bootstrap_from == f"http://{FULL}-peers.default.svc:8080" and s.state_dir
+    else:
+        assert s.nats_url == NATS and s.state_dir is None and s.bootstrap_from is None
+        relay = named(kinds, "Deployment", f"{FULL}-relay")
+        r = load_settings(None, config_of(kinds), env=env_of(relay))
+        assert (r.nats_stream, r.nats_subject) == (s.nats_stream, s.nats_subject)
+        assert "2 relays" in notes and "no engine connections" in notes and "WARNING: networkPolicy" not in notes
+    assert s.snapshot_interval_s == 60
+
+
+def test_persistence_pvc_is_one_replica_one_claim():
+    kinds, notes = render({"replicaCount": 1, "persistence": {"enabled": True}})
+    pvc = one(kinds, "PersistentVolumeClaim")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteOnce"] and "storageClassName" not in pvc["spec"]
+    dep = one(kinds, "Deployment")
+    assert dep["spec"]["strategy"] == {"type": "Recreate"}
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    # The root filesystem stays read-only: the state dir is the mounted volume.
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {"name": "state", "mountPath": "/var/lib/kv-indexer"} in c["volumeMounts"]
+    assert env_of(dep)["KVI_STATE_DIR"] == "/var/lib/kv-indexer" and "State dir /var/lib/kv-indexer (pvc)" in notes
+    # The user's claim: none created. A storage class, or "-" for none at all.
+    kinds, _ = render({"replicaCount": 1, "persistence": {"enabled": True, "existingClaim": "mine"}})
+    assert "PersistentVolumeClaim" not in kinds
+    assert {"name": "state", "persistentVolumeClaim": {"claimName": "mine"}} in pod_spec(kinds)["volumes"]
+    for cls, want in (("fast-ssd", "fast-ssd"), ("-", "")):
+        kinds, _ = render({"replicaCount": 1, "persistence": {"enabled": True, "storageClass": cls,
+                                                              "mountPath": "/state", "snapshotIntervalS": 0}})
+        assert one(kinds, "PersistentVolumeClaim")["spec"]["storageClassName"] == want
+        assert env_of(one(kinds, "Deployment"))["KVI_SNAPSHOT_INTERVAL_S"] == "0"
+    # Off by default: no volume, no strategy change, no claim.
+    kinds, _ = render()
+    assert "PersistentVolumeClaim" not in kinds and "strategy" not in one(kinds, "Deployment")["spec"]
+    assert not {"KVI_STATE_DIR", "KVI_BOOTSTRAP_FROM", "KVI_NATS_URL"} & set(env_of(one(kinds, "Deployment")))
+
+
+def test_persistence_refuses_what_a_deployment_cannot_do():
+    with pytest.raises(ChartFail, match="needs replicaCount 1.*emptyDir.*bootstrap"):
+        render({"persistence": {"enabled": True}})  # replicaCount 2, kind pvc
+    with pytest.raises(ChartFail, match="pvc or emptyDir"):
+        render({"replicaCount": 1, "persistence": {"enabled": True, "kind": "hostPath"}})
+    with pytest.raises(ChartFail, match="object store"):
+        render({"persistence": {"enabled": True, "kind": "emptyDir"}, "nats": {"enabled": True, "url": NATS}})
+    # emptyDir: any number of replicas, one dir per pod; the claim-only Recreate strategy is not used.
+    kinds, _ = render({"replicaCount": 5, "persistence": {"enabled": True, "kind": "emptyDir", "sizeLimit": "2Gi"}})
+    assert "PersistentVolumeClaim" not in kinds and "strategy" not in one(kinds, "Deployment")["spec"]
+    assert {"name": "state", "emptyDir": {"sizeLimit": "2Gi"}} in pod_spec(kinds)["volumes"]
+
+
+def test_bootstrap_asks_a_ready_peer_through_a_headless_service():
+    kinds, notes = render({"bootstrap": {"enabled": True}, "serviceMonitor": {"enabled": True},
+                           "auth": {"existingSecret": "mine"}, "networkPolicy": {"enabled": True}})
+    dep = one(kinds, "Deployment")
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    peers = named(kinds, "Service", f"{FULL}-peers")
+    main = named(kinds, "Service", FULL)
+    # Ready pods only: a starting replica (not ready) is never in the answer, so never itself.
+    assert peers["spec"]["clusterIP"] == "None" and peers["spec"]["publishNotReadyAddresses"] is False
+    assert peers["spec"]["selector"] == main["spec"]["selector"] and selects({"matchLabels": peers["spec"]["selector"]},
+                                                                             pod_labels)
+    assert peers["spec"]["ports"] == main["spec"]["ports"]
+    assert env_of(dep)["KVI_BOOTSTRAP_FROM"] == f"http://{FULL}-peers.default.svc:8080"
+    # GET /v1/snapshot needs the token: the replicas mount it as always.
+    assert env_of(dep)["KVI_API_TOKEN_FILE"] == "/var/run/secrets/kv-indexer/token"
+    # The ServiceMonitor scrapes the main Service, not the peers' (the same pods twice).
+    sel = one(kinds, "ServiceMonitor")["spec"]["selector"]
+    assert selects(sel, main["metadata"]["labels"]) and not selects(sel, peers["metadata"]["labels"])
+    # The NetworkPolicy lets the replicas reach each other's HTTP port, and nothing else more.
+    np = one(kinds, "NetworkPolicy")["spec"]
+    me = {"podSelector": {"matchLabels": dep["spec"]["selector"]["matchLabels"]}}
+    port = [{"protocol": "TCP", "port": 8080}]
+    assert {"from": [me], "ports": port} in np["ingress"] and {"to": [me], "ports": port} in np["egress"]
+    assert f"from {FULL}-peers" in notes
+    # Another namespace, another port: the URL follows.
+    files = Chart().render(merged(values(), {"bootstrap": {"enabled": True}, "service": {"port": 9000}}),
+                           release="r", namespace="prod")
+    dep = yaml.safe_load(files["deployment.yaml"])
+    assert env_of(dep)["KVI_BOOTSTRAP_FROM"] == "http://r-kv-prefix-indexer-peers.prod.svc:9000"
+    # Off: no peers' Service, no selector change.
+    kinds, _ = render({"serviceMonitor": {"enabled": True}})
+    assert [s["metadata"]["name"] for s in kinds["Service"]] == [FULL]
+    assert "matchExpressions" not in one(kinds, "ServiceMonitor")["spec"]["selector"]
+
+
+def test_relay_and_nats_mode():
+    engines = commented_example("engineEgress")
+    kinds, notes = render({"relay": {"enabled": True, "replicaCount": 3}, "nats": {"enabled": True, "url": NATS},
+                           "auth": {"token": TOKEN}, "networkPolicy": {"enabled": True, "engineEgress": engines}})
+    indexer = named(kinds, "Deployment", FULL)
+    relay = named(kinds, "Deployment", f"{FULL}-relay")
+    assert relay["spec"]["replicas"] == 3
+    (c,) = relay["spec"]["template"]["spec"]["containers"]
+    assert c["command"] == ["kv-indexer", "relay"]
+    assert c["args"] == ["--nats", NATS, "--config", "/etc/kv-indexer/config.yaml"]
+    # The same engines: the relay mounts the replicas' ConfigMap (and rolls when it changes).
+    assert {"name": "config", "configMap": {"name": FULL}} in relay["spec"]["template"]["spec"]["volumes"]
+    assert "checksum/config" in relay["spec"]["template"]["metadata"]["annotations"]
+    assert env_of(relay)["KVI_API_TOKEN_FILE"] == env_of(indexer)["KVI_API_TOKEN_FILE"]
+    assert env_of(indexer)["KVI_NATS_URL"] == NATS
+    # Relays are not replicas: no selector of the replicas matches them, and the reverse.
+    relay_pods = relay["spec"]["template"]["metadata"]["labels"]
+    indexer_pods = indexer["spec"]["template"]["metadata"]["labels"]
+    for sel in (indexer["spec"]["selector"], {"matchLabels": one(kinds, "Service")["spec"]["selector"]},
+                named(kinds, "PodDisruptionBudget", FULL)["spec"]["selector"],
+                named(kinds, "NetworkPolicy", FULL)["spec"]["podSelector"]):
+        assert selects(sel, indexer_pods) and not selects(sel, relay_pods)
+    for sel in (relay["spec"]["selector"], named(kinds, "PodDisruptionBudget", f"{FULL}-relay")["spec"]["selector"],
+                named(kinds, "NetworkPolicy", f"{FULL}-relay")["spec"]["podSelector"]):
+        assert selects(sel, relay_pods) and not selects(sel, indexer_pods)
+    # Egress: the relay to DNS, NATS and the engines, nothing in; the replicas to DNS and NATS.
+    dns = {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
+    nats = {"ports": [{"protocol": "TCP", "port": 4222}]}
+    rnp = named(kinds, "NetworkPolicy", f"{FULL}-relay")["spec"]
+    assert rnp["ingress"] == [] and rnp["policyTypes"] == ["Ingress", "Egress"]
+    assert rnp["egress"] == [dns, nats] + engines
+    assert named(kinds, "NetworkPolicy", FULL)["spec"]["egress"] == [dns, nats]
+    assert "WARNING: networkPolicy" not in notes and "3 relays" in notes
+    # The relay alone (replicas still on ZMQ, e.g. while migrating): the replicas keep the engines.
+    kinds, notes = render({"relay": {"enabled": True}, "nats": {"url": NATS},
+                           "networkPolicy": {"enabled": True, "engineEgress": engines}})
+    indexer = named(kinds, "Deployment", FULL)
+    assert "KVI_NATS_URL" not in env_of(indexer)
+    assert named(kinds, "NetworkPolicy", FULL)["spec"]["egress"] == [dns] + engines
+    assert "Every replica subscribes to every engine" in notes
+    # NATS mode with a relay elsewhere: said so; no engine egress needed here, so no warning.
+    kinds, notes = render({"nats": {"enabled": True, "url": NATS}, "networkPolicy": {"enabled": True}})
+    assert "Deployment" in kinds and len(kinds["Deployment"]) == 1
+    assert "nats.enabled without relay.enabled" in notes and "WARNING: networkPolicy" not in notes
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"relay": {"enabled": True}}, "nats.url is required with relay.enabled or nats.enabled"),
+    ({"nats": {"enabled": True}}, "nats.url is required with relay.enabled or nats.enabled"),
+    ({"nats": {"enabled": True, "url": "nats.nats.svc:4222"}}, "nats://, tls://, ws:// or wss://"),
+    ({"config": {"nats_url": NATS}}, "set nats_url with the chart's"),
+    ({"config": {"state_dir": "/data"}}, "set state_dir with the chart's"),
+    ({"config": {"bootstrap_from": "http://x:8080"}}, "set bootstrap_from with the chart's"),
+], ids=["relay-no-url", "nats-no-url", "url-scheme", "config-nats", "config-state", "config-bootstrap"])
+def test_state_values_the_chart_refuses(over, message):
+    with pytest.raises(ChartFail, match=re.escape(message)):
+        render(over)
+
+
+def test_state_doc_has_the_shapes_costs_and_a_figures_marker():
+    text = (ROOT / "docs" / "state.md").read_text()
+    for needle in ("state_dir", "bootstrap_from", "kv-indexer relay", "Nats-Msg-Id", "JetStream", "stale",
+                   "replay", "snapshot.md", "nats/nats", "config.jetstream.enabled=true", "## Figures",
+                   "persistence.kind", "bootstrap.enabled", "relay.enabled", "nats.url"):
+        assert needle in text, needle
+    # The measured figures come later, from another hand: only the marker, nothing invented.
+    assert text.count("<!-- FIGURES -->") == 1
+    figures = text.split("## Figures", 1)[1].split("\n## ", 1)[0]
+    assert not re.search(r"\d+(\.\d+)?\s*(ms|s|MiB|GiB|MB|GB)\b", figures), figures
+    assert "state.md" in (ROOT / "docs" / "deploy.md").read_text()
+    assert "docs/state.md" in (ROOT / "README.md").read_text()
 
 
 def dockerfile() -> str:
