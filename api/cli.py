@@ -181,6 +181,25 @@ def build_parser(prog: str = "kv-indexer") -> argparse.ArgumentParser:
     s.add_argument("--demo-speedup", type=float, help=_HELP["demo_speedup"])
     s.add_argument("--check", action="store_true", help="validate the settings, print them as JSON and exit")
 
+    r = sub.add_parser(
+        "relay", help="subscribe to the engines and publish their batches to a NATS JetStream event log",
+        description="Subscribe to the engines (the same settings as serve: --config, --engine, the environment, "
+        "discovery) and publish every batch the sequencer applies to a JetStream stream, for replicas "
+        "(serve --nats URL) to follow. Two relays may run side by side: the stream keeps one copy of each batch. "
+        "Runs until SIGTERM or SIGINT (docs/jetstream.md).")
+    r.set_defaults(func=_cmd_relay)
+    r.add_argument("--config", metavar="FILE", help="YAML settings file (default $KVI_CONFIG)")
+    r.add_argument("--engine", action="append", metavar="ID=ENDPOINT[,k=v...]",
+                   help="an engine to subscribe to (repeatable; replaces the configured list), as for serve")
+    r.add_argument("--nats", dest="nats_url", metavar="URL", help="NATS server (required here: flag, nats_url or "
+                   "KVI_NATS_URL)")
+    r.add_argument("--allowed-endpoint", action="append", metavar="HOST|*.DOMAIN|CIDR",
+                   help="may be given several times: " + _HELP["allowed_endpoints"])
+    r.add_argument("--replay-timeout-s", type=float, help=_HELP["replay_timeout_s"])
+    r.add_argument("--log-level", help=_HELP["log_level"])
+    r.add_argument("--log-json", action="store_true", default=None, help=_HELP["log_json"])
+    r.add_argument("--check", action="store_true", help="validate the settings, print them as JSON and exit")
+
     q = sub.add_parser(
         "demo-prompt", help="print a /v1/match body: the prompt of request N of the live demo fleet",
         description="Print {\"token_ids\": [...]}: the prompt of request N of what the live demo fleet "
@@ -470,6 +489,67 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 0
     serve(settings)  # FastAPI and uvicorn are imported here, not before
     return 0
+
+
+def _cmd_relay(args: argparse.Namespace) -> int:
+    """``kv-indexer relay``: engines in (ZMQ), the JetStream event log out, until SIGTERM/SIGINT."""
+    try:
+        overrides: dict[str, Any] = {"nats_url": args.nats_url, "log_level": args.log_level,
+                                     "log_json": args.log_json, "allowed_endpoints": args.allowed_endpoint,
+                                     "replay_timeout_s": args.replay_timeout_s}
+        if args.engine:
+            overrides["engines"] = [parse_engine_spec(e) for e in args.engine]
+        settings = load_settings(args.config, overrides)
+        if not settings.nats_url:
+            raise SettingsError("relay needs a NATS server: --nats URL (or nats_url, KVI_NATS_URL)")
+    except SettingsError as e:
+        print(f"{args.prog}: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        import msgspec
+
+        print(msgspec.json.format(msgspec.json.encode(settings.redacted())).decode())
+        return 0
+    import signal
+    import threading
+
+    from indexer.relay import Relay  # nats is imported here only
+
+    cfg = log_config(settings)
+    cfg["loggers"]["indexer"] = {"handlers": ["stderr"], "level": settings.log_level.upper(), "propagate": False}
+    logging.config.dictConfig(cfg)
+    log = logging.getLogger("kv_indexer.relay")
+    _fd_limit(settings.max_workers)
+    relay = Relay(settings.engines, url=settings.nats_url, stream=settings.nats_stream, subject=settings.nats_subject,
+                  replay_timeout_s=settings.replay_timeout_s, max_workers=settings.max_workers,
+                  endpoint_policy=settings.endpoint_policy(), metrics_interval_s=settings.metrics_interval_s)
+    discovery = None
+    d = settings.discovery
+    if d is not None:
+        from indexer.discovery import DnsDiscovery
+
+        discovery = DnsDiscovery(relay, d.dns_name, port=d.port, replay_port=d.replay_port,
+                                 metrics_port=d.metrics_port, dp_size=d.dp_size, model=d.model, topic=d.topic,
+                                 interval_s=d.interval_s, grace_s=d.grace_s)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    relay.start()
+    if discovery is not None:
+        discovery.start()
+    log.info("relay: %d engine(s) configured%s, publishing to stream %s (subject %s)", len(settings.engines),
+             f", discovering {d.dns_name}" if d is not None else "", settings.nats_stream, settings.nats_subject)
+    rc = 0
+    while not done.wait(1.0):
+        if not relay.running:
+            log.error("relay: ingest stopped: %s", relay.error)
+            rc = 1
+            break
+    if discovery is not None:
+        discovery.stop()
+    relay.stop()
+    log.info("relay stopped: %s", relay.counters)
+    return rc
 
 
 def main(argv: list[str] | None = None, prog: str = "kv-indexer") -> int:

@@ -225,3 +225,38 @@ class _IndexCollector:
         yield GaugeMetricFamily(f"{NS}_workers_known", "Workers the index knows.", value=st["workers"])
         for h in self.histograms:
             yield h.family()
+        if getattr(self.ingest, "counters", None) is not None:  # a JetStream replica (indexer.jetstream)
+            yield from _jetstream(self.ingest)
+
+
+def _jetstream(ing: Any):
+    """kvi_jetstream_*: a replica's counters of the event log (read, never computed)."""
+    c = ing.counters
+    m = CounterMetricFamily(f"{NS}_jetstream_messages", "Event-log messages, by outcome (applied, duplicate: "
+                            "already applied per the sequencer's rule, bad: headers missing).", labels=["outcome"])
+    for outcome, key in (("applied", "applied"), ("duplicate", "duplicates"), ("bad", "bad_messages")):
+        m.add_metric([outcome], c[key])
+    yield m
+    for name, key, doc in (
+            ("gaps", "gaps", "Workers' forward gaps in the log (the worker is then stale)."),
+            ("restarts", "restarts", "Engine restarts read from the log (residency dropped)."),
+            ("relay_stale", "relay_stale", "Messages the relay flagged stale (its own continuity verdict)."),
+            ("purges", "purges", "Stream purges behind a stored snapshot."),
+            ("reloads", "reloads", "Snapshot reloads after the stream was purged past this replica."),
+            ("stream_lost", "stream_lost", "Stream messages gone before this replica read them, no snapshot "
+             "covering them."),
+            ("consumers", "consumers", "Consumers created (1 + reconnects, missed heartbeats, delivery holes).")):
+        yield CounterMetricFamily(f"{NS}_jetstream_{name}", doc, value=c[key])
+    sn = CounterMetricFamily(f"{NS}_jetstream_snapshots", "Object-store snapshots, by outcome.", labels=["outcome"])
+    for outcome, key in (("written", "snapshots_written"), ("loaded", "snapshots_loaded"),
+                         ("refused", "snapshots_refused"), ("error", "snapshot_errors")):
+        sn.add_metric([outcome], c[key])
+    yield sn
+    rf = CounterMetricFamily(f"{NS}_jetstream_snapshots_refused_by_reason", "Snapshots refused, by reason "
+                             "(magic, truncated, checksum, version, corrupt, meta, object).", labels=["reason"])
+    for reason, n in sorted(ing.refused.items()):
+        rf.add_metric([reason], n)
+    yield rf
+    yield GaugeMetricFamily(f"{NS}_jetstream_applied_seq", "Last stream sequence applied.", value=ing.seq)
+    yield GaugeMetricFamily(f"{NS}_jetstream_lag_messages", "Stream messages not applied yet.", value=ing.lag)
+    yield GaugeMetricFamily(f"{NS}_jetstream_connected", "1 while connected to NATS.", value=int(ing.nats_connected))
