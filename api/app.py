@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import msgspec
 from fastapi import FastAPI, Path, Request
@@ -34,12 +34,14 @@ from indexer.index import ModelRequiredError
 from indexer.ingest import Indexer
 from indexer.keys import split_json_tokens
 from indexer.route import Load
+from indexer.snapshot import SnapshotError
 
 from . import dynamo, schemas
 from .auth import CLIENT, Auth, client_of, is_mutating
 from .common import ENC, JSON, HTTPError, off_loop, u64_keys
 from .metrics import Metrics
 from .settings import Settings
+from .state import StateCollector, StateKeeper
 
 log = logging.getLogger("kv_indexer.api")
 audit_log = logging.getLogger("kv_indexer.audit")
@@ -75,20 +77,55 @@ class Service:
     def __init__(self, settings: Settings, index: PrefixIndex) -> None:
         self.settings = settings
         self.index = index
-        self.ingest = Indexer(settings.engines, index=index, replay_timeout_s=settings.replay_timeout_s,
-                              max_workers=settings.max_workers, endpoint_policy=settings.endpoint_policy(),
-                              metrics_interval_s=settings.metrics_interval_s)
+        self.state = StateKeeper(settings)
+        if settings.nats_url:  # a replica of the relay's JetStream event log (only then is nats imported)
+            from indexer.jetstream import JetStreamIngest
+
+            self.ingest: Any = JetStreamIngest(settings.nats_url, index, stream=settings.nats_stream,
+                                               subject=settings.nats_subject, bucket=settings.nats_bucket,
+                                               snapshot_interval_s=settings.snapshot_interval_s)
+        else:
+            self.ingest = self._indexer(settings, index)
         self.auth = Auth(settings.api_token, settings.auth_reads) if settings.api_token else None
         self.api_errors: dict[tuple[str, int], int] = {}
         self.metrics = Metrics(index, self.ingest, self.api_errors,
                                self.auth.failures if self.auth is not None else None)
+        self.metrics.registry.register(StateCollector(self.state))
         self.routes: dict[str, _Route] = {}
         self.discovery = None
         d = settings.discovery
-        if d is not None:
+        if d is not None and not settings.nats_url:  # a replica's engines are the relay's
             self.discovery = DnsDiscovery(
                 self.ingest, d.dns_name, port=d.port, replay_port=d.replay_port, metrics_port=d.metrics_port,
                 dp_size=d.dp_size, model=d.model, topic=d.topic, interval_s=d.interval_s, grace_s=d.grace_s)
+
+    def _indexer(self, settings: Settings, index: PrefixIndex) -> Indexer:
+        """The ZMQ ingest, started from the state dir's snapshot or a peer's when there
+        is one (R-DUR-2); a snapshot that cannot be restored is counted and skipped."""
+        kw: dict[str, Any] = dict(index=index, replay_timeout_s=settings.replay_timeout_s,
+                                  max_workers=settings.max_workers, endpoint_policy=settings.endpoint_policy(),
+                                  metrics_interval_s=settings.metrics_interval_s)
+        snap = self.state.initial()
+        if snap is not None:
+            try:
+                ingest = Indexer(settings.engines, snapshot=snap, **kw)
+            except SnapshotError as e:
+                log.error("state: %s; starting empty", e)
+                self.state.restored(False, e.reason)
+            except ValueError as e:  # e.g. an index handed in that already holds workers
+                log.error("state: snapshot not restored: %s; starting without it", e)
+                self.state.restored(False, "not_empty")
+            else:
+                self.state.restored(True)
+                st = index.stats()
+                log.info("state: restored %d workers, %d nodes, %d entries", st["workers"], st["nodes"],
+                         st["resident_entries"])
+                return ingest
+        return Indexer(settings.engines, **kw)
+
+    def snapshot(self) -> bytes:
+        """The index and the engine registry as snapshot bytes (GET /v1/snapshot, the state dir)."""
+        return cast(bytes, self.ingest.snapshot())
 
     # ------------------------------------------------------------- transport
 
@@ -208,7 +245,10 @@ class Service:
 
     async def unsubscribe(self, engine_id: str, via: str, dp_rank: int | None = None) -> bool:
         """Unsubscribe (all ranks, or the config covering ``dp_rank``), audit-logged."""
-        gone = await off_loop(functools.partial(self.ingest.remove_engine, engine_id, dp_rank, via=via))
+        try:
+            gone = await off_loop(functools.partial(self.ingest.remove_engine, engine_id, dp_rank, via=via))
+        except ValueError as e:  # a replica: engines are registered with the relay
+            raise HTTPError(409, str(e)) from None
         if gone:
             audit_log.info("engine %s%s unregistered via %s by %s", engine_id,
                            "" if dp_rank is None else f" dp_rank {dp_rank}", via, CLIENT.get())
@@ -434,6 +474,8 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
                         "api_token_file, and allowed_endpoints (docs/deploy.md, Security).", settings.host,
                         settings.port)
         svc.ingest.start()
+        if hasattr(svc.ingest, "snapshot"):
+            svc.state.start(svc.snapshot)
         if svc.discovery is not None:
             svc.discovery.start()
         log.info("kv-indexer ready: %d engine(s) configured%s", len(settings.engines),
@@ -444,6 +486,7 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
             if svc.discovery is not None:
                 await off_loop(svc.discovery.stop)
             await svc.ingest.astop()
+            await off_loop(svc.state.final)  # after ingest stopped: the last state exactly
 
     app = _App(
         title="kv-prefix-indexer",
@@ -497,6 +540,16 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
               responses={200: {"content": {JSON: {"schema": _ref("DoneOut")}}}, **_json_responses(None, errors=(404,))})
     async def route_done(request_id: Annotated[str, Path(max_length=64)]) -> Response:
         return await _answer(svc.route_done(request_id))
+
+    @app.get("/v1/snapshot", tags=["indexer"], response_class=Response,
+             summary="The whole index and the engine registry as one snapshot file (docs/snapshot.md); "
+             "needs the API token once one is configured",
+             responses={200: {"content": {"application/octet-stream": {"schema": {"type": "string",
+                                                                                   "format": "binary"}}}}})
+    async def snapshot() -> Response:
+        data = await off_loop(svc.snapshot)
+        return Response(data, media_type="application/octet-stream",
+                        headers={"Content-Disposition": 'attachment; filename="index.snap"'})
 
     @app.get("/v1/workers", tags=["indexer"],
              summary="Per-worker health, freshness, sizes, in-flight load and transport status")

@@ -178,9 +178,7 @@ class Snapshot:
             try:
                 _restore(index, self.body)
             except (ValueError, IndexError, KeyError, TypeError, OverflowError, msgspec.DecodeError) as e:
-                index._models.clear()
-                index._workers.clear()
-                index._idle_models.clear()
+                _empty(index)
                 raise SnapshotError("corrupt", f"{type(e).__name__}: {e}") from None
 
     def workers(self) -> list[tuple[str, int, str, int | None]]:
@@ -418,6 +416,25 @@ dump_tree = getattr(_core, "dump_tree", None) or _py_dump_tree
 dump_map = getattr(_core, "dump_map", None) or _py_dump_map
 load_tree = getattr(_core, "load_tree", None) or _py_load_tree
 load_map = getattr(_core, "load_map", None) or _py_load_map
+
+
+def _empty(index: PrefixIndex) -> None:
+    """Undo a restore that failed half way: the index is as built, empty."""
+    for mo in index._models.values():
+        for tree in mo.trees.values():
+            tree.clear()
+    index._models.clear()
+    index._workers.clear()
+    index._idle_models.clear()
+    index._free_wids.clear()
+    index._next_wid = 0
+    index._tier_names[:] = ["GPU"]
+    index._tier_ids.clear()
+    index._tier_ids["GPU"] = 0
+    index._tier_cache.clear()
+    index._tier_cache[None] = 0
+    index._orphan_queue.clear()
+    index._orphans = 0
 
 
 def _restore(index: PrefixIndex, body: Body) -> None:
