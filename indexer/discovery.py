@@ -10,6 +10,7 @@ a fleet) and is counted.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 import threading
@@ -78,6 +79,16 @@ class DnsDiscovery:
         self.last_error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Engines already subscribed that this discovery would add itself (a snapshot
+        # restored them, R-DUR-2) are its own: removed when their address stays gone.
+        for cfg in indexer.engines():
+            addr = cfg.id[len(id_prefix):] if cfg.id.startswith(id_prefix) else ""
+            try:
+                ipaddress.ip_address(addr)
+            except ValueError:
+                continue
+            if cfg == self.config_for(addr):
+                self.known[addr] = cfg.id
 
     def config_for(self, address: str) -> EngineConfig:
         host = f"[{address}]" if ":" in address else address  # IPv6 in a ZMQ endpoint

@@ -121,3 +121,26 @@ def test_the_standard_resolver_and_the_service_discover_localhost(pubs, serve):
     wait_for(lambda: api.post("/v1/match", {"token_ids": t})[1].get("best"), what="the blocks")
     st = api.get("/v1/stats")[1]
     assert "127.0.0.1" in st["discovery"]["engines"] and st["counters"]["discovery_added"] >= 1
+
+
+def test_R_DUR_2_engines_a_snapshot_restored_are_discoverys_own(disco):
+    """A restart from a snapshot re-subscribes the engines discovery had added; discovery
+    adopts them (same id and configuration), so an address gone while the service was
+    down is still removed after the grace period. Static engines stay."""
+    from indexer.snapshot import loads
+
+    f, ix, d = disco
+    f.addrs = {"10.0.0.1", "10.0.0.2"}
+    d.poll_once()
+    data = ix.snapshot()
+    again = Indexer([{"id": "static", "endpoint": "tcp://127.0.0.1:7000"}], snapshot=loads(data))
+    assert sorted(c.id for c in again.engines()) == ["10.0.0.1", "10.0.0.2", "static"]
+    d2 = DnsDiscovery(again, "vllm.ns.svc", port=5557, replay_port=5600, dp_size=2, model="llama", grace_s=30,
+                      resolver=f.resolve, clock=f.clock)
+    f.addrs = {"10.0.0.1"}
+    assert d2.poll_once() == ([], [])
+    f.t += 31
+    assert d2.poll_once() == ([], ["10.0.0.2"])
+    assert sorted(c.id for c in again.engines()) == ["10.0.0.1", "static"]
+    other = DnsDiscovery(again, "vllm.ns.svc", port=5558, resolver=f.resolve, clock=f.clock)
+    assert other.known == {}  # another port: not what this discovery would have added
