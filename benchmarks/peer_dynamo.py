@@ -23,6 +23,20 @@ What is measured (``dynamo.llm.RadixTree`` of ai-dynamo-runtime 1.6.1, single ca
   matched blocks per worker (``scores``) are returned for the agreement check.
 * ``--mode memory``: RSS before/after applying JSON events read from
   ``--events-file`` (lines ``worker_id<TAB>json``), in this fresh process.
+* ``--mode snapshot`` (``bench_snapshot.py``): Dynamo's own snapshot path. The tree
+  is built from ``--events-dir`` (``w<i>.jsonl`` per worker, one ``KvCacheEvent``
+  JSON a line, applied round robin like ``workload.interleave``; not timed). Then,
+  ``--runs`` times each: *dump* = ``dump_tree_as_events()`` (a list of
+  ``RouterEvent`` JSON strings); *write* = the dump, joined with newlines, UTF-8
+  encoded and written with ``indexer.snapshot.write_atomic`` (temp file, fsync,
+  rename, directory fsync) under ``--dir``; *restore* = read that file (its pages
+  dropped from the page cache first, as for ours), split it into lines
+  (*read*), decode each ``RouterEvent`` with msgspec keeping its ``event`` as raw
+  JSON bytes (*convert*: ``apply_event`` takes ``(worker_id, KvCacheEvent JSON
+  bytes)``, not a ``RouterEvent``), then ``apply_event`` of each into a fresh
+  ``RadixTree`` (*apply*). After the first restore: ``find_matches`` scores on the
+  ``--queries-file`` prompts and the number of dumped events must equal the
+  original tree's, or it exits non-zero.
 
 With ``--json`` the figures are printed as one JSON line on stdout and the table
 goes to stderr.
@@ -33,8 +47,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -240,6 +256,138 @@ def mode_memory(args) -> dict:
     return out
 
 
+class _RouterEvent(msgspec.Struct):
+    """The two members of a dumped ``RouterEvent`` that ``apply_event`` needs (the
+    others, ``storage_tier`` and ``residency_domain``, are "device" and "worker" for
+    every event here and are not taken by ``apply_event``)."""
+
+    worker_id: int
+    event: msgspec.Raw
+
+
+def _drop_cache(path: str) -> None:
+    """Drop ``path``'s pages from the page cache (the file is clean: written, fsync'd)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _spread(xs: list[float]) -> dict:
+    s = sorted(xs)
+    return {"median": s[(len(s) - 1) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2,
+            "min": s[0], "max": s[-1], "runs": xs}
+
+
+def _scores(tree, queries, bs: int) -> dict:
+    out = {}
+    for name, toks in queries:
+        sc = tree.find_matches(compute_block_hash_for_seq(toks, bs)).scores
+        out[name] = {str(w): n for (w, _dp), n in sorted(sc.items())}
+    return out
+
+
+def mode_snapshot(args) -> dict:
+    from indexer.snapshot import write_atomic
+
+    d = Path(args.events_dir)
+    tree = RadixTree()
+    gc.collect()
+    rss0 = rss_bytes()
+    t0 = time.perf_counter()
+    n_events = 0
+    with ExitStack() as stack:
+        live = [(w, stack.enter_context(open(d / f"w{w}.jsonl", "rb"))) for w in range(args.workers)]
+        while live:
+            nxt = []
+            for w, f in live:
+                line = f.readline()
+                if line:
+                    tree.apply_event(w, line.rstrip(b"\n"))
+                    n_events += 1
+                    nxt.append((w, f))
+            live = nxt
+    build_s = time.perf_counter() - t0
+    gc.collect()
+    rss_build = rss_bytes() - rss0
+    with open(args.queries_file) as f:
+        queries = [(q["name"], q["tokens"]) for q in json.load(f)]
+    bs = args.block_size
+    want = _scores(tree, queries, bs)
+    path = os.path.join(args.dir, "dynamo-dump.jsonl")
+    dump_s, write_s = [], []
+    n_dump = size = 0
+    dumped_blocks = 0
+    for r in range(args.runs):
+        gc.collect()
+        t0 = time.perf_counter()
+        dumped = tree.dump_tree_as_events()
+        t1 = time.perf_counter()
+        blob = "\n".join(dumped).encode()
+        write_atomic(path, blob)
+        t2 = time.perf_counter()
+        dump_s.append(t1 - t0)
+        write_s.append(t2 - t0)
+        if r == 0:
+            n_dump, size = len(dumped), len(blob)
+            dumped_blocks = blob.count(b'"block_hash"')
+        del dumped, blob
+    read_s, convert_s, apply_s, restore_s = [], [], [], []
+    dec = msgspec.json.Decoder(_RouterEvent).decode
+    check = None
+    tree2 = None
+    for r in range(args.runs):
+        del tree2
+        gc.collect()
+        _drop_cache(path)
+        t0 = time.perf_counter()
+        with open(path, "rb") as f:
+            data = f.read()
+        lines = data.split(b"\n")
+        t1 = time.perf_counter()
+        evs = [dec(line) for line in lines]
+        pairs = [(e.worker_id, bytes(e.event)) for e in evs]
+        del evs
+        t2 = time.perf_counter()
+        tree2 = RadixTree()
+        apply = tree2.apply_event
+        for w, ev in pairs:
+            apply(w, ev)
+        t3 = time.perf_counter()
+        read_s.append(t1 - t0)
+        convert_s.append(t2 - t1)
+        apply_s.append(t3 - t2)
+        restore_s.append(t3 - t0)
+        del data, lines, pairs
+        if r == 0:
+            got = _scores(tree2, queries, bs)
+            n_again = len(tree2.dump_tree_as_events())
+            check = {"scores_equal": got == want, "dumped_events_equal": n_again == n_dump,
+                     "dumped_again": n_again}
+            if not (check["scores_equal"] and check["dumped_events_equal"]):
+                bad = [k for k in want if got.get(k) != want[k]]
+                print(f"Dynamo restore differs from the original: {check}; queries {bad}", file=sys.stderr)
+                sys.exit(3)
+    os.unlink(path)
+    out = {
+        "peer": dynamo_version(), "affinity": args.affinity, "events_applied": n_events, "build_s": build_s,
+        "rss_build": rss_build, "dumped_events": n_dump, "dumped_blocks": dumped_blocks, "json_bytes": size,
+        "dump_s": _spread(dump_s), "write_s": _spread(write_s), "read_s": _spread(read_s),
+        "convert_s": _spread(convert_s), "apply_s": _spread(apply_s),
+        "restore_mem_s": _spread([c + a for c, a in zip(convert_s, apply_s)]), "restore_s": _spread(restore_s),
+        "check": check, "scores": want,
+        "called": "RadixTree.dump_tree_as_events(); RadixTree().apply_event(worker_id, bytes(event)) per "
+                  "dumped RouterEvent",
+    }
+    rows = [[k, out[k]["median"], out[k]["min"], out[k]["max"]]
+            for k in ("dump_s", "write_s", "read_s", "convert_s", "apply_s", "restore_s")]
+    emit(args, out, table(["Dynamo RadixTree snapshot", "median s", "min", "max"], rows,
+                          title=f"## peer: {dynamo_version()} ({args.affinity}; {args.runs} runs; {n_dump:,} dumped "
+                                f"events, {size:,} bytes of JSON; restore check {check})"))
+    return out
+
+
 def emit(args, out: dict, text: str | None) -> None:
     if args.json:
         if text:
@@ -253,7 +401,7 @@ def emit(args, out: dict, text: str | None) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mode", choices=("apply", "match", "memory"), required=True)
+    ap.add_argument("--mode", choices=("apply", "match", "memory", "snapshot"), required=True)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--workload", choices=("anchor", "mooncake"), default="anchor")
@@ -268,6 +416,9 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=32)
     ap.add_argument("--max-query-tokens", type=int, default=None)
     ap.add_argument("--events-file", default=None)
+    ap.add_argument("--events-dir", default=None, help="snapshot: w<i>.jsonl per worker")
+    ap.add_argument("--queries-file", default=None, help="snapshot: JSON [{name, tokens}] to check the restore")
+    ap.add_argument("--dir", default=None, help="snapshot: where the dump file is written")
     add_cpu_argument(ap)
     wl.add_arguments(ap)
     args = ap.parse_args()
@@ -281,7 +432,7 @@ def main() -> None:
         args.calls = min(args.calls, 300)
     if args.workload == "mooncake" and args.requests is None:
         args.requests = 500 if args.quick else 3000
-    {"apply": mode_apply, "match": mode_match, "memory": mode_memory}[args.mode](args)
+    {"apply": mode_apply, "match": mode_match, "memory": mode_memory, "snapshot": mode_snapshot}[args.mode](args)
 
 
 if __name__ == "__main__":
