@@ -127,7 +127,8 @@ def test_R_SEC_1_the_openapi_document_declares_the_token(sec):
     spec = sec.client.get("/openapi.json")[1]
     assert spec["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
     secured_ops = {(m.upper(), p) for p, ops in spec["paths"].items() for m, op in ops.items() if "security" in op}
-    assert secured_ops == {("POST", "/v1/engines"), ("DELETE", "/v1/engines/{engine_id}"), ("POST", "/register"),
+    assert secured_ops == {("POST", "/v1/engines"), ("DELETE", "/v1/engines/{engine_id}"), ("GET", "/v1/snapshot"),
+                           ("POST", "/register"),
                            ("POST", "/unregister")}
     for status in ("401", "403"):
         assert status in spec["paths"]["/v1/engines"]["post"]["responses"]
