@@ -24,6 +24,14 @@
  *               (result.gpu_answers is its reference).
  *   block_keys  xxh3-64 of each block of little-endian uint32 tokens (keys.py
  *               documents the key; keys._py_block_keys is the reference).
+ *   dump_tree, dump_map, load_tree, load_map
+ *               a snapshot's columns (snapshot.py): a tree walked to
+ *               little-endian parent / key / mask-id arrays and back, a
+ *               worker's map to hash / node-index arrays and back, with no
+ *               Python object per node or entry on the way (the
+ *               snapshot._py_* twins are the reference, byte for byte).
+ *   NodeIndex   dump_tree's node -> index table (16-byte slots over node
+ *               pointers, for dump_map and the rest of the cut).
  *   tokens_from_msgpack, split_tokens_json
  *               token ids (an event's msgpack array, a request's JSON body)
  *               straight to little-endian uint32 bytes, with no Python int per
@@ -1563,6 +1571,733 @@ remove_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
 }
 
 
+/* ------------------------------------------------------ snapshot columns */
+
+/* snapshot.py's four hot loops. A tree is dumped as little-endian columns in
+ * preorder (node 0 the root): parent index (uint32), key (uint64), GPU-mask id
+ * (uint32); a worker's map as (uint64 hash, uint32 node index) columns. The
+ * pure twins, snapshot._py_dump_tree and friends, are the reference: same
+ * visiting order, so the same bytes. */
+
+static inline void
+put_le64(unsigned char *o, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        o[i] = (unsigned char)(v >> (8 * i));
+}
+
+static inline uint32_t
+get_le32(const unsigned char *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static inline uint64_t
+get_le64(const unsigned char *p)
+{
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+/* NodeIndex: node (by identity) -> uint32 index, what dump_tree's walk met.
+ * Open addressing over the node pointers, 16-byte slots, load at most 3/4: at
+ * 10^7 nodes a few hundred MB less than a dict of int objects. Holds a
+ * reference to each node (as the pure twin's dict does), so an index is never
+ * answered for a freed node whose address was reused. */
+
+typedef struct {
+    PyObject *node; /* NULL: empty slot */
+    uint32_t idx;
+} IdxSlot;
+
+typedef struct {
+    PyObject_HEAD
+    IdxSlot *slots;  /* NULL while cap == 0 */
+    Py_ssize_t cap;  /* a power of two, or 0 */
+    Py_ssize_t used;
+} NodeIndex;
+
+static PyTypeObject NodeIndexType;
+
+/* Nodes are 64-byte objects and a tree's chains are mostly allocated in a row:
+ * four neighbours in memory (one 256-byte span) hash to one 64-byte line of four
+ * slots, so a preorder walk misses the cache about once per line, not per node.
+ * The lines themselves are spread by mix64. */
+static inline size_t
+ptr_slot(const void *p, size_t mask)
+{
+    uintptr_t a = (uintptr_t)p;
+    return (size_t)((mix64((uint64_t)(a >> 8)) << 2) | ((a >> 6) & 3)) & mask;
+}
+
+/* The slot of `node`, or -1. Runs no Python code. */
+static inline Py_ssize_t
+nidx_find(NodeIndex *w, const PyObject *node)
+{
+    if (w->cap == 0)
+        return -1;
+    size_t mask = (size_t)w->cap - 1;
+    size_t i = ptr_slot(node, mask);
+    for (;;) {
+        IdxSlot *s = &w->slots[i];
+        if (s->node == NULL)
+            return -1;
+        if (s->node == node)
+            return (Py_ssize_t)i;
+        i = (i + 1) & mask;
+    }
+}
+
+static int
+nidx_resize(NodeIndex *w, Py_ssize_t newcap)
+{
+    IdxSlot *ns = PyMem_Calloc((size_t)newcap, sizeof(IdxSlot));
+    if (ns == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    size_t mask = (size_t)newcap - 1;
+    for (Py_ssize_t j = 0; j < w->cap; j++) {
+        IdxSlot *s = &w->slots[j];
+        if (s->node == NULL)
+            continue;
+        size_t i = ptr_slot(s->node, mask);
+        while (ns[i].node != NULL)
+            i = (i + 1) & mask;
+        ns[i] = *s;
+    }
+    PyMem_Free(w->slots);
+    w->slots = ns;
+    w->cap = newcap;
+    return 0;
+}
+
+/* Add node -> idx, stealing the caller's reference to `node`. 1: added; 0:
+ * already there (nothing changed, the reference released); -1: error (the
+ * reference released). */
+static int
+nidx_add(NodeIndex *w, PyObject *node, uint32_t idx)
+{
+    if ((w->used + 1) * 4 > w->cap * 3 && nidx_resize(w, w->cap ? w->cap * 2 : 64) < 0) {
+        Py_DECREF(node);
+        return -1;
+    }
+    size_t mask = (size_t)w->cap - 1;
+    size_t i = ptr_slot(node, mask);
+    while (w->slots[i].node != NULL) {
+        if (w->slots[i].node == node) {
+            Py_DECREF(node);
+            return 0;
+        }
+        i = (i + 1) & mask;
+    }
+    w->slots[i].node = node;
+    w->slots[i].idx = idx;
+    w->used++;
+    return 1;
+}
+
+static NodeIndex *
+nidx_new(void)
+{
+    NodeIndex *w = PyObject_New(NodeIndex, &NodeIndexType);
+    if (w == NULL)
+        return NULL;
+    w->slots = NULL;
+    w->cap = 0;
+    w->used = 0;
+    return w;
+}
+
+static void
+NodeIndex_dealloc(NodeIndex *w)
+{
+    IdxSlot *slots = w->slots;
+    Py_ssize_t cap = w->cap;
+    w->slots = NULL;
+    w->cap = w->used = 0;
+    for (Py_ssize_t j = 0; j < cap; j++)
+        Py_XDECREF(slots[j].node);
+    PyMem_Free(slots);
+    PyObject_Free(w);
+}
+
+static Py_ssize_t
+NodeIndex_length(NodeIndex *w)
+{
+    return w->used;
+}
+
+static PyObject *
+NodeIndex_get(NodeIndex *w, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "get() takes 1 or 2 arguments");
+        return NULL;
+    }
+    Py_ssize_t i = nidx_find(w, args[0]);
+    if (i < 0) {
+        PyObject *d = nargs == 2 ? args[1] : Py_None;
+        Py_INCREF(d);
+        return d;
+    }
+    return PyLong_FromUnsignedLong(w->slots[i].idx);
+}
+
+static int
+NodeIndex_contains(NodeIndex *w, PyObject *node)
+{
+    return nidx_find(w, node) >= 0;
+}
+
+static PyObject *
+NodeIndex_sizeof(NodeIndex *w, PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromSsize_t((Py_ssize_t)sizeof(NodeIndex) + w->cap * (Py_ssize_t)sizeof(IdxSlot));
+}
+
+static PyMethodDef NodeIndex_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))NodeIndex_get, METH_FASTCALL, "get(node, default=None): the node's index"},
+    {"__sizeof__", (PyCFunction)NodeIndex_sizeof, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMappingMethods NodeIndex_as_mapping = {
+    .mp_length = (lenfunc)NodeIndex_length,
+};
+
+static PySequenceMethods NodeIndex_as_sequence = {
+    .sq_contains = (objobjproc)NodeIndex_contains,
+};
+
+static PyTypeObject NodeIndexType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "indexer._core.NodeIndex",
+    .tp_doc = "Node (by identity) -> its index in a dump_tree walk; made by dump_tree only.",
+    .tp_basicsize = sizeof(NodeIndex),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .tp_dealloc = (destructor)NodeIndex_dealloc,
+    .tp_as_mapping = &NodeIndex_as_mapping,
+    .tp_as_sequence = &NodeIndex_as_sequence,
+    .tp_methods = NodeIndex_methods,
+};
+
+typedef struct {
+    PyObject *node; /* a strong reference */
+    uint32_t parent;
+} Frame;
+
+typedef struct {
+    Frame *items;
+    size_t n, cap;
+} Stack;
+
+/* Push `child` (a new reference is taken) with its parent's index. */
+static int
+stack_push(Stack *s, PyObject *child, uint32_t parent)
+{
+    if (!IS_NODE(child)) {
+        PyErr_SetString(PyExc_TypeError, "a node's children are nodes");
+        return -1;
+    }
+    if (s->n == s->cap) {
+        size_t nc = s->cap ? s->cap * 2 : 256;
+        Frame *ni = PyMem_Realloc(s->items, nc * sizeof(Frame));
+        if (ni == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        s->items = ni;
+        s->cap = nc;
+    }
+    Py_INCREF(child);
+    s->items[s->n].node = child;
+    s->items[s->n].parent = parent;
+    s->n++;
+    return 0;
+}
+
+/* Push the children of `n` in the order U64Map.values() lists them (the table's
+ * slots, then the side dict's values), so they pop LIFO as in the pure twin. */
+static int
+push_kids(Stack *s, Node *n, uint32_t idx)
+{
+    PyObject *kids = n->kids;
+    if (kids == Py_None)
+        return 0;
+    if (IS_NODE(kids))
+        return stack_push(s, kids, idx);
+    if (!IS_MAP(kids)) {
+        PyErr_SetString(PyExc_TypeError, "Node.kids must be None, a Node or a U64Map");
+        return -1;
+    }
+    U64Map *km = (U64Map *)kids;
+    for (Py_ssize_t j = 0; j < km->cap; j++) {
+        PyObject *v = km->slots[j].val;
+        if (v != NULL && stack_push(s, v, idx) < 0)
+            return -1;
+    }
+    if (km->other != NULL) {
+        PyObject *k, *v;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(km->other, &pos, &k, &v)) { /* nothing in the loop runs Python code */
+            if (stack_push(s, v, idx) < 0)
+                return -1;
+        }
+    }
+    return 0;
+}
+
+/* A growable byte column. */
+typedef struct {
+    unsigned char *buf;
+    size_t len, cap;
+} Col;
+
+static inline int
+col_room(Col *c, size_t more)
+{
+    if (c->len + more <= c->cap)
+        return 0;
+    size_t nc = c->cap ? c->cap : 4096;
+    while (nc < c->len + more)
+        nc *= 2;
+    unsigned char *nb = PyMem_Realloc(c->buf, nc);
+    if (nb == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    c->buf = nb;
+    c->cap = nc;
+    return 0;
+}
+
+PyDoc_STRVAR(dump_tree_doc,
+"dump_tree(root) -> (parents, keys, mask_ids, masks, extra, where)\n\n"
+"Walk one tree in preorder (iterative; node 0 is the root): the little-endian\n"
+"uint32 parent indices, uint64 keys and uint32 GPU-mask ids of every node but the\n"
+"root, the distinct GPU masks in order of first use, (index, node) of the nodes\n"
+"with tiers or dups, and `where`, a NodeIndex: node -> index for every node met.\n"
+"Read-only; a node met twice (not a tree) is a ValueError. Same bytes as\n"
+"snapshot._py_dump_tree.");
+
+static PyObject *
+dump_tree(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 1 || !IS_NODE(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "dump_tree(Node)");
+        return NULL;
+    }
+    Node *root = (Node *)args[0];
+    Stack stack = {NULL, 0, 0};
+    Col par = {NULL, 0, 0}, keys = {NULL, 0, 0}, mids = {NULL, 0, 0};
+    PyObject *mask_ids = PyDict_New(), *masks = PyList_New(0), *extra = PyList_New(0);
+    PyObject *last_mask = NULL; /* a strong reference: the mask whose id is last_mid */
+    uint32_t last_mid = 0;
+    PyObject *cols[3] = {NULL, NULL, NULL};
+    NodeIndex *where = nidx_new();
+    if (where == NULL || mask_ids == NULL || masks == NULL || extra == NULL)
+        goto fail;
+    Py_INCREF(root);
+    if (nidx_add(where, (PyObject *)root, 0) < 0 || push_kids(&stack, root, 0) < 0)
+        goto fail;
+    uint32_t i = 0;
+    while (stack.n) {
+        Frame f = stack.items[--stack.n];
+        Node *node = (Node *)f.node;
+        if (i == UINT32_MAX) {
+            Py_DECREF(node);
+            PyErr_SetString(PyExc_OverflowError, "more than 2**32 - 1 nodes in one tree");
+            goto fail;
+        }
+        i++;
+        int r = nidx_add(where, (PyObject *)node, i); /* takes the stack's reference */
+        if (r <= 0) {
+            if (r == 0)
+                PyErr_SetString(PyExc_ValueError, "dump_tree: a node met twice (not a tree)");
+            goto fail;
+        }
+        /* `node` stays alive: `where` holds it. */
+        if (col_room(&par, 4) < 0 || col_room(&keys, 8) < 0 || col_room(&mids, 4) < 0)
+            goto fail;
+        put_le32(par.buf + par.len, f.parent);
+        par.len += 4;
+        put_le64(keys.buf + keys.len, node->key);
+        keys.len += 8;
+        PyObject *m = node->gpu;
+        if (m != last_mask) {
+            PyObject *v = PyDict_GetItemWithError(mask_ids, m);
+            if (v != NULL)
+                last_mid = (uint32_t)PyLong_AsUnsignedLong(v); /* an id this loop made */
+            else {
+                if (PyErr_Occurred())
+                    goto fail;
+                Py_ssize_t nm = PyList_GET_SIZE(masks);
+                PyObject *id = PyLong_FromSsize_t(nm);
+                if (id == NULL)
+                    goto fail;
+                int e = PyDict_SetItem(mask_ids, m, id);
+                Py_DECREF(id);
+                if (e < 0 || PyList_Append(masks, m) < 0)
+                    goto fail;
+                last_mid = (uint32_t)nm;
+            }
+            Py_INCREF(m);
+            Py_XSETREF(last_mask, m);
+        }
+        put_le32(mids.buf + mids.len, last_mid);
+        mids.len += 4;
+        if (node->tiers != Py_None || node->dup != Py_None) {
+            PyObject *t = Py_BuildValue("(kO)", (unsigned long)i, (PyObject *)node);
+            if (t == NULL || PyList_Append(extra, t) < 0) {
+                Py_XDECREF(t);
+                goto fail;
+            }
+            Py_DECREF(t);
+        }
+        if (push_kids(&stack, node, i) < 0)
+            goto fail;
+        if (stack.n) {
+            /* The next node and its slot in `where` are the walk's cache misses:
+             * start both loads now. */
+            PyObject *next = stack.items[stack.n - 1].node;
+            __builtin_prefetch(next);
+            __builtin_prefetch(&where->slots[ptr_slot(next, (size_t)where->cap - 1)], 1);
+        }
+    }
+    cols[0] = PyBytes_FromStringAndSize((const char *)par.buf, (Py_ssize_t)par.len);
+    cols[1] = PyBytes_FromStringAndSize((const char *)keys.buf, (Py_ssize_t)keys.len);
+    cols[2] = PyBytes_FromStringAndSize((const char *)mids.buf, (Py_ssize_t)mids.len);
+    if (cols[0] == NULL || cols[1] == NULL || cols[2] == NULL)
+        goto fail;
+    PyObject *out = PyTuple_Pack(6, cols[0], cols[1], cols[2], masks, extra, (PyObject *)where);
+    if (out == NULL)
+        goto fail;
+    Py_DECREF(cols[0]);
+    Py_DECREF(cols[1]);
+    Py_DECREF(cols[2]);
+    Py_DECREF(masks);
+    Py_DECREF(extra);
+    Py_DECREF(where);
+    Py_DECREF(mask_ids);
+    Py_XDECREF(last_mask);
+    PyMem_Free(par.buf);
+    PyMem_Free(keys.buf);
+    PyMem_Free(mids.buf);
+    PyMem_Free(stack.items);
+    return out;
+fail:
+    for (size_t j = 0; j < stack.n; j++)
+        Py_DECREF(stack.items[j].node);
+    PyMem_Free(stack.items);
+    PyMem_Free(par.buf);
+    PyMem_Free(keys.buf);
+    PyMem_Free(mids.buf);
+    for (int j = 0; j < 3; j++)
+        Py_XDECREF(cols[j]);
+    Py_XDECREF(last_mask);
+    Py_XDECREF(mask_ids);
+    Py_XDECREF(masks);
+    Py_XDECREF(extra);
+    Py_XDECREF(where);
+    return NULL;
+}
+
+/* Append (h, i) to `other`. */
+static int
+other_append(PyObject *other, PyObject *h, PyObject *i)
+{
+    PyObject *t = PyTuple_Pack(2, h, i);
+    if (t == NULL)
+        return -1;
+    int r = PyList_Append(other, t);
+    Py_DECREF(t);
+    return r;
+}
+
+PyDoc_STRVAR(dump_map_doc,
+"dump_map(wmap, where) -> (hashes, idx, other)\n\n"
+"A worker's engine-hash map (a U64Map) as little-endian uint64 hashes and uint32\n"
+"node indices (from `where`, dump_tree's NodeIndex), in the map's order; `other`\n"
+"gets (hash, index) of the entries whose hash is not an int in [0, 2**64).\n"
+"Entries whose node `where` does not know are left out. Any other `where` is\n"
+"asked through its get(). Read-only. Same bytes as snapshot._py_dump_map.");
+
+static PyObject *
+dump_map(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !IS_MAP(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "dump_map(U64Map, where)");
+        return NULL;
+    }
+    U64Map *m = (U64Map *)args[0];
+    NodeIndex *wi = Py_TYPE(args[1]) == &NodeIndexType ? (NodeIndex *)args[1] : NULL;
+    PyObject *get = NULL, *items = NULL, *hb = NULL, *ib = NULL, *other = NULL;
+    Py_ssize_t cap, n = 0;
+    if (wi == NULL) {
+        /* Any mapping (a dict, say): Python code runs, so walk a snapshot of the items. */
+        get = PyObject_GetAttrString(args[1], "get");
+        if (get == NULL || (items = map_list(m, 2)) == NULL)
+            goto fail;
+        cap = PyList_GET_SIZE(items);
+    }
+    else {
+        if (m->other != NULL && (items = PyDict_Items(m->other)) == NULL)
+            goto fail;
+        cap = m->used + (items == NULL ? 0 : PyList_GET_SIZE(items));
+    }
+    hb = PyBytes_FromStringAndSize(NULL, cap * 8);
+    ib = PyBytes_FromStringAndSize(NULL, cap * 4);
+    other = PyList_New(0);
+    if (hb == NULL || ib == NULL || other == NULL)
+        goto fail;
+    unsigned char *hp = (unsigned char *)PyBytes_AS_STRING(hb), *ip = (unsigned char *)PyBytes_AS_STRING(ib);
+    if (wi != NULL) {
+        /* The table: nothing here runs Python code or allocates. The lookups are
+         * random reads of `where`: each slot's is prefetched PREFETCH slots ahead. */
+        size_t wmask = (size_t)wi->cap - 1;
+        enum { PREFETCH = 16 };
+        for (Py_ssize_t j = 0; j < m->cap; j++) {
+            if (j + PREFETCH < m->cap && m->slots[j + PREFETCH].val != NULL && wi->cap)
+                __builtin_prefetch(&wi->slots[ptr_slot(m->slots[j + PREFETCH].val, wmask)]);
+            Slot *s = &m->slots[j];
+            if (s->val == NULL)
+                continue;
+            Py_ssize_t k = nidx_find(wi, s->val);
+            if (k < 0)
+                continue;
+            put_le64(hp + n * 8, s->key);
+            put_le32(ip + n * 4, wi->slots[k].idx);
+            n++;
+        }
+    }
+    Py_ssize_t ni = items == NULL ? 0 : PyList_GET_SIZE(items);
+    for (Py_ssize_t j = 0; j < ni; j++) {
+        PyObject *pair = PyList_GET_ITEM(items, j);
+        PyObject *h = PyTuple_GET_ITEM(pair, 0), *node = PyTuple_GET_ITEM(pair, 1), *iv;
+        unsigned long idx;
+        if (wi != NULL) {
+            Py_ssize_t k = nidx_find(wi, node);
+            if (k < 0)
+                continue;
+            idx = wi->slots[k].idx;
+            if ((iv = PyLong_FromUnsignedLong(idx)) == NULL)
+                goto fail;
+        }
+        else {
+            iv = PyObject_CallOneArg(get, node);
+            if (iv == NULL)
+                goto fail;
+            if (iv == Py_None) {
+                Py_DECREF(iv);
+                continue;
+            }
+            idx = PyLong_AsUnsignedLong(iv);
+            if (idx == (unsigned long)-1 && PyErr_Occurred()) {
+                Py_DECREF(iv);
+                goto fail;
+            }
+            if (idx > UINT32_MAX) {
+                Py_DECREF(iv);
+                PyErr_SetString(PyExc_OverflowError, "a node index is a uint32");
+                goto fail;
+            }
+        }
+        uint64_t hv;
+        int r = PyLong_CheckExact(h) ? as_u64(h, &hv) : 0;
+        if (r > 0) {
+            put_le64(hp + n * 8, hv);
+            put_le32(ip + n * 4, (uint32_t)idx);
+            n++;
+        }
+        else if (r < 0 || (r == 0 && other_append(other, h, iv) < 0)) {
+            Py_DECREF(iv);
+            goto fail;
+        }
+        Py_DECREF(iv);
+    }
+    /* On failure _PyBytes_Resize frees the object and sets the pointer to NULL. */
+    if (_PyBytes_Resize(&hb, n * 8) < 0 || _PyBytes_Resize(&ib, n * 4) < 0)
+        goto fail;
+    Py_XDECREF(get);
+    Py_XDECREF(items);
+    return Py_BuildValue("(NNN)", hb, ib, other);
+fail:
+    Py_XDECREF(get);
+    Py_XDECREF(items);
+    Py_XDECREF(hb);
+    Py_XDECREF(ib);
+    Py_XDECREF(other);
+    return NULL;
+}
+
+/* A read-only view of a column of `width`-byte items; -1 with ValueError when its
+ * length is not a multiple of the width. */
+static int
+column(PyObject *obj, Py_buffer *view, int width, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) < 0)
+        return -1;
+    if (view->len % width) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes, not a whole number of %d-byte items", what, view->len,
+                     width);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* Link `node` under `parent` as the pure twin does: kids None -> the node, a Node
+ * -> a U64Map of both (the old child first), a U64Map -> one more entry. */
+static int
+link_child(Node *parent, Node *node)
+{
+    PyObject *kids = parent->kids;
+    if (kids == Py_None) {
+        NODE_SET(parent->kids, (PyObject *)node);
+        return 0;
+    }
+    if (IS_MAP(kids))
+        return map_put((U64Map *)kids, node->key, (PyObject *)node);
+    if (!IS_NODE(kids)) {
+        PyErr_SetString(PyExc_TypeError, "Node.kids must be None, a Node or a U64Map");
+        return -1;
+    }
+    U64Map *km = map_new();
+    if (km == NULL || map_put(km, ((Node *)kids)->key, kids) < 0 || map_put(km, node->key, (PyObject *)node) < 0) {
+        Py_XDECREF(km);
+        return -1;
+    }
+    NODE_SET(parent->kids, (PyObject *)km);
+    Py_DECREF(km);
+    return 0;
+}
+
+PyDoc_STRVAR(load_tree_doc,
+"load_tree(root, parents, keys, mask_ids, masks) -> list[Node]\n\n"
+"Create every node of a dumped tree under `root` (the columns dump_tree wrote;\n"
+"preorder: each parent before its children): node i is Node(keys[i-1],\n"
+"nodes[parents[i-1]], None, masks[mask_ids[i-1]]), linked under its parent.\n"
+"Returns the nodes, the root first. Columns of different lengths, a parent not\n"
+"created yet or a mask id out of range are a ValueError. Same as\n"
+"snapshot._py_load_tree.");
+
+static PyObject *
+load_tree(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || !IS_NODE(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "load_tree(Node, parents, keys, mask_ids, masks)");
+        return NULL;
+    }
+    Py_buffer pv, kv, mv;
+    if (column(args[1], &pv, 4, "parents") < 0)
+        return NULL;
+    if (column(args[2], &kv, 8, "keys") < 0) {
+        PyBuffer_Release(&pv);
+        return NULL;
+    }
+    if (column(args[3], &mv, 4, "mask_ids") < 0) {
+        PyBuffer_Release(&pv);
+        PyBuffer_Release(&kv);
+        return NULL;
+    }
+    PyObject *masks = NULL, *nodes = NULL;
+    Py_ssize_t n = pv.len / 4;
+    if (kv.len / 8 != n || mv.len / 4 != n) {
+        PyErr_SetString(PyExc_ValueError, "tree columns of different lengths");
+        goto fail;
+    }
+    masks = PySequence_Fast(args[4], "masks must be a sequence");
+    if (masks == NULL || (nodes = PyList_New(n + 1)) == NULL)
+        goto fail;
+    /* Unset items are NULL, which list_dealloc skips: a failure part-way frees what was made. */
+    Py_INCREF(args[0]);
+    PyList_SET_ITEM(nodes, 0, args[0]);
+    const unsigned char *pp = pv.buf, *kp = kv.buf, *mp = mv.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t p = get_le32(pp + i * 4), mi = get_le32(mp + i * 4);
+        if ((Py_ssize_t)p > i) {
+            PyErr_Format(PyExc_ValueError, "node %zd names parent %lu, not created before it", i + 1,
+                         (unsigned long)p);
+            goto fail;
+        }
+        if ((Py_ssize_t)mi >= PySequence_Fast_GET_SIZE(masks)) {
+            PyErr_Format(PyExc_ValueError, "node %zd names mask %lu of %zd", i + 1, (unsigned long)mi,
+                         PySequence_Fast_GET_SIZE(masks));
+            goto fail;
+        }
+        Node *parent = (Node *)PyList_GET_ITEM(nodes, p);
+        Node *node = node_make(get_le64(kp + i * 8), (PyObject *)parent, PySequence_Fast_GET_ITEM(masks, mi));
+        if (node == NULL)
+            goto fail;
+        PyList_SET_ITEM(nodes, i + 1, (PyObject *)node);
+        if (link_child(parent, node) < 0)
+            goto fail;
+    }
+    Py_DECREF(masks);
+    PyBuffer_Release(&pv);
+    PyBuffer_Release(&kv);
+    PyBuffer_Release(&mv);
+    return nodes;
+fail:
+    Py_XDECREF(nodes);
+    Py_XDECREF(masks);
+    PyBuffer_Release(&pv);
+    PyBuffer_Release(&kv);
+    PyBuffer_Release(&mv);
+    return NULL;
+}
+
+PyDoc_STRVAR(load_map_doc,
+"load_map(wmap, hashes, idx, nodes) -> None\n\n"
+"Put hashes[i] -> nodes[idx[i]] into a worker's map (the little-endian uint64 and\n"
+"uint32 columns dump_map wrote). Columns of different lengths are a ValueError,\n"
+"an index past `nodes` an IndexError. Same as snapshot._py_load_map.");
+
+static PyObject *
+load_map(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !IS_MAP(args[0]) || !PyList_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "load_map(U64Map, hashes, idx, list)");
+        return NULL;
+    }
+    U64Map *m = (U64Map *)args[0];
+    PyObject *nodes = args[3];
+    Py_buffer hv, iv;
+    if (column(args[1], &hv, 8, "hashes") < 0)
+        return NULL;
+    if (column(args[2], &iv, 4, "idx") < 0) {
+        PyBuffer_Release(&hv);
+        return NULL;
+    }
+    Py_ssize_t n = hv.len / 8;
+    PyObject *res = NULL;
+    if (iv.len / 4 != n) {
+        PyErr_Format(PyExc_ValueError, "%zd hashes, %zd node indices", n, iv.len / 4);
+        goto done;
+    }
+    const unsigned char *hp = hv.buf, *ip = iv.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t k = get_le32(ip + i * 4);
+        /* Read each time: releasing a replaced value may run code that changes the list. */
+        if ((Py_ssize_t)k >= PyList_GET_SIZE(nodes)) {
+            PyErr_SetString(PyExc_IndexError, "list index out of range");
+            goto done;
+        }
+        if (map_put(m, get_le64(hp + i * 8), PyList_GET_ITEM(nodes, k)) < 0)
+            goto done;
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    PyBuffer_Release(&hv);
+    PyBuffer_Release(&iv);
+    return res;
+}
+
+
 /* --------------------------------------------------------- query answers */
 
 static PyObject *GPU_NAME; /* "GPU" */
@@ -1765,18 +2500,22 @@ static PyMethodDef core_methods[] = {
     {"insert_gpu", (PyCFunction)(void (*)(void))insert_gpu, METH_FASTCALL, insert_gpu_doc},
     {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL, walk_doc},
     {"remove_gpu", (PyCFunction)(void (*)(void))remove_gpu, METH_FASTCALL, remove_gpu_doc},
+    {"dump_tree", (PyCFunction)(void (*)(void))dump_tree, METH_FASTCALL, dump_tree_doc},
+    {"dump_map", (PyCFunction)(void (*)(void))dump_map, METH_FASTCALL, dump_map_doc},
+    {"load_tree", (PyCFunction)(void (*)(void))load_tree, METH_FASTCALL, load_tree_doc},
+    {"load_map", (PyCFunction)(void (*)(void))load_map, METH_FASTCALL, load_map_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef core_module = {
     PyModuleDef_HEAD_INIT, "indexer._core",
-    "Compiled core of the prefix index: Node, U64Map, the hot loops, block keys and token parsing.", -1, core_methods,
+    "Compiled core of the prefix index: Node, U64Map, the hot loops, block keys, token parsing and snapshot columns.", -1, core_methods,
 };
 
 PyMODINIT_FUNC
 PyInit__core(void)
 {
-    if (PyType_Ready(&U64MapType) < 0 || PyType_Ready(&NodeType) < 0)
+    if (PyType_Ready(&U64MapType) < 0 || PyType_Ready(&NodeType) < 0 || PyType_Ready(&NodeIndexType) < 0)
         return NULL;
     PyObject *mod = PyModule_Create(&core_module);
     if (mod == NULL)
@@ -1790,8 +2529,10 @@ PyInit__core(void)
         goto fail;
     Py_INCREF(&U64MapType);
     Py_INCREF(&NodeType);
+    Py_INCREF(&NodeIndexType);
     if (PyModule_AddObject(mod, "U64Map", (PyObject *)&U64MapType) < 0 ||
-        PyModule_AddObject(mod, "Node", (PyObject *)&NodeType) < 0)
+        PyModule_AddObject(mod, "Node", (PyObject *)&NodeType) < 0 ||
+        PyModule_AddObject(mod, "NodeIndex", (PyObject *)&NodeIndexType) < 0)
         goto fail;
     Py_INCREF(DEAD); /* one for the module attribute, one kept by this file */
     if (PyModule_AddObject(mod, "DEAD", DEAD) < 0)

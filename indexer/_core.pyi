@@ -4,7 +4,8 @@ The C module has no pure-Python source, so this file is what type checkers see.
 Every name here exists at runtime and nothing else does; ``mypy.stubtest`` checks
 that (``python -m mypy.stubtest indexer._core``). The pure-Python twins the C is
 held to are ``tree._PyNode``, ``tree._py_insert_gpu``, ``tree._py_walk``,
-``result._py_gpu_answers`` and ``keys._py_block_keys``.
+``result._py_gpu_answers``, ``keys._py_block_keys`` and ``snapshot._py_dump_tree``,
+``_py_dump_map``, ``_py_load_tree``, ``_py_load_map``.
 
 Conventions the C follows:
 
@@ -17,7 +18,7 @@ Conventions the C follows:
 """
 
 from _typeshed import SupportsKeysAndGetItem
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Final, TypeAlias, TypeVar, final, overload
 
 from typing_extensions import Buffer
@@ -200,3 +201,54 @@ def tokens_from_msgpack(raw: Buffer, /) -> bytes | None:
 def split_tokens_json(body: Buffer, /) -> tuple[bytes, bytes] | None:
     """A JSON request body split into ``(other members as a JSON object, token_ids as
     little-endian uint32 bytes)``; None when it is anything else."""
+
+
+
+@final
+class NodeIndex:
+    """Node (by identity) -> its index in a ``dump_tree`` walk (the root is 0).
+
+    Made by ``dump_tree`` only (not instantiable): the compact twin of the pure
+    walk's ``dict[Node, int]`` (16-byte slots over node pointers). Holds a
+    reference to every node it knows.
+    """
+
+    def __len__(self) -> int: ...
+    def __contains__(self, node: object, /) -> bool: ...
+    @overload
+    def get(self, node: object, /) -> int | None: ...
+    @overload
+    def get(self, node: object, default: _T, /) -> int | _T: ...
+
+
+def dump_tree(root: Node, /) -> tuple[bytes, bytes, bytes, list[int], list[tuple[int, Node]], NodeIndex]:
+    """Walk one tree in preorder (iterative; node 0 is the root).
+
+    Returns ``(parents, keys, mask_ids, masks, extra, where)``: little-endian
+    uint32 / uint64 / uint32 columns of every node but the root, the distinct GPU
+    masks in order of first use, ``(index, node)`` of the nodes with tiers or
+    dups, and the ``NodeIndex`` of every node met. Read-only; a node met twice
+    (not a tree) is a ValueError. Same bytes as ``snapshot._py_dump_tree``.
+    """
+
+
+def dump_map(wmap: U64Map, where: NodeIndex | Mapping[Any, int], /) -> tuple[bytes, bytes, list[tuple[Any, int]]]:
+    """A worker's map as ``(uint64 hashes, uint32 node indices, other)`` for the
+    entries whose node ``where`` knows; ``other`` holds ``(hash, index)`` of the
+    hashes that are not ints in [0, 2**64). Read-only. Same bytes as
+    ``snapshot._py_dump_map``.
+    """
+
+
+def load_tree(root: Node, parents: Buffer, keys: Buffer, mask_ids: Buffer, masks: Sequence[int], /) -> list[Node]:
+    """Create every node of a dumped tree under ``root``; returns the nodes, the
+    root first. Columns of different lengths, a parent not created yet or a mask
+    id out of range are a ValueError. Same as ``snapshot._py_load_tree``.
+    """
+
+
+def load_map(wmap: U64Map, hashes: Buffer, idx: Buffer, nodes: list[Node], /) -> None:
+    """Put ``hashes[i] -> nodes[idx[i]]`` into ``wmap``: ValueError for columns of
+    different lengths, IndexError for an index past ``nodes``. Same as
+    ``snapshot._py_load_map``.
+    """
