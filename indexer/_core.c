@@ -2279,7 +2279,16 @@ load_map(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     const unsigned char *hp = hv.buf, *ip = iv.buf;
+    enum { AHEAD = 8 };
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + AHEAD < n && m->cap) {
+            /* The random reads, the map's slot and the node's refcount, start
+             * AHEAD entries early (the slot in the table as it is now). */
+            uint32_t ka = get_le32(ip + (i + AHEAD) * 4);
+            __builtin_prefetch(&m->slots[(size_t)mix64(get_le64(hp + (i + AHEAD) * 8)) & ((size_t)m->cap - 1)], 1);
+            if ((Py_ssize_t)ka < PyList_GET_SIZE(nodes))
+                __builtin_prefetch(PyList_GET_ITEM(nodes, ka), 1);
+        }
         uint32_t k = get_le32(ip + i * 4);
         /* Read each time: releasing a replaced value may run code that changes the list. */
         if ((Py_ssize_t)k >= PyList_GET_SIZE(nodes)) {
