@@ -1,7 +1,10 @@
 """Warm restarts and peer bootstrap of the real service (R-DUR-1..4), events flowing.
 
 Two engines (vLLM's wire protocol, with replay) publish stores and removals from a
-background thread for the whole test. A service that never stops (``steady``) and
+background thread for the whole test. The three restart scenarios run twice: with this
+project's mirror of vLLM's publisher (``VllmPublisher``) and with vLLM's own
+``ZmqEventPublisher`` (release 0.33.0, :mod:`vendor.vllm_kv_events`; skipped where the
+``vllm`` package's files are not installed), whose sent batches a recorder SUB logs. A service that never stops (``steady``) and
 the in-process ``reference`` (every payload applied in order) are what the restarted
 service must equal once the flow stops and everyone has caught up:
 
@@ -25,6 +28,7 @@ from evkit import ehashes, removed, toks
 from indexer.producer.publisher import VllmPublisher
 from svc import Client, Server, sample, wait_for
 from test_ingest import Rec, gpu, reference
+from test_vllm_publisher import SUBSCRIBE_S, OwnEngine, kv, needs_vllm
 
 BS = 4
 PROMPTS = [toks(1 + 1000 * i, 6, BS) for i in range(12)]
@@ -33,30 +37,61 @@ TOKEN = "state-test-token-0123456789"
 # late join's replay from 0 would fail), so only the snapshot can bring the rest back.
 BUFFER = 150
 RUN_S = 3.5  # ~130 batches per engine before the restart
+# While a service is away (down, or not yet bootstrapped), each engine publishes at most
+# CAP more batches until it has caught up: under load a restart can take seconds, and the
+# ring must still hold everything it missed. The margin (BUFFER - CAP) covers the batches
+# the service had not applied yet when it went away.
+CAP = 100
+# The publisher the engines run: this project's mirror, or vLLM's own code.
+PUBLISHERS = ["mirror", pytest.param("vllm", marks=needs_vllm)]
+
+
+def _next_seq(r) -> int:
+    return r.next_seq if isinstance(r, OwnEngine) else r.pub.next_seq
 
 
 class Flow:
     """Engines publishing from a thread until ``stop()``: stores, re-stores, removals."""
 
-    def __init__(self, n: int = 2, buffer_steps: int = BUFFER) -> None:
-        self.recs = []
+    def __init__(self, publisher: str = "mirror", n: int = 2, buffer_steps: int = BUFFER) -> None:
+        self.publisher = publisher
+        self.recs: list = []
         for i in range(n):
+            if publisher == "vllm":  # vLLM's ZmqEventPublisher, recorded as it sends
+                self.recs.append(OwnEngine(f"e{i}", buffer_steps=buffer_steps, settle=False))
+                continue
             pub = VllmPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", bind=True, version="0.33",
                                 buffer_steps=buffer_steps)
             self.recs.append(Rec(pub, f"e{i}"))
+        if publisher == "vllm":
+            time.sleep(SUBSCRIBE_S)  # the recorders' subscriptions: once for all
         self.lock = threading.Lock()
         self._stop = threading.Event()
         self.rng = random.Random(7)
         self.thread: threading.Thread | None = None
+        self._cap: int | None = None
+        self.mark: dict[str, int] = {}
 
     def engine_specs(self) -> list[dict]:
-        return [{"id": r.engine, "endpoint": r.pub.live_endpoint, "replay_endpoint": r.pub.bound_replay_endpoint}
-                for r in self.recs]
+        eps = [r if isinstance(r, OwnEngine) else r.pub for r in self.recs]
+        return [{"id": r.engine, "endpoint": e.live_endpoint, "replay_endpoint": e.bound_replay_endpoint}
+                for r, e in zip(self.recs, eps)]
+
+    def cap(self, n: int = CAP) -> None:
+        """From now on each engine publishes at most ``n`` more batches, until ``uncap()``."""
+        with self.lock:
+            self.mark, self._cap = self.history(), n
+
+    def uncap(self) -> None:
+        with self.lock:
+            self._cap = None
 
     def step(self) -> None:
         rec = self.rng.choice(self.recs)
         p = self.rng.choice(PROMPTS)
         with self.lock:
+            if self._cap is not None and _next_seq(rec) - self.mark[rec.engine] >= self._cap:
+                return
             if self.rng.random() < 0.25:
                 rec.send([removed(ehashes(p, BS)[self.rng.randrange(6):])])
             else:
@@ -70,14 +105,28 @@ class Flow:
         self.thread.start()
 
     def stop(self) -> None:
+        """Stop publishing; with vLLM's publisher, also wait until its thread has sent
+        every queued batch and the recorder holds them all."""
         self._stop.set()
         if self.thread is not None:
             self.thread.join()
+        for r in self.recs:
+            if isinstance(r, OwnEngine):
+                r.settle()
+
+    def history(self) -> dict[str, int]:
+        return {r.engine: _next_seq(r) for r in self.recs}
 
     def close(self) -> None:
-        self.stop()
-        for r in self.recs:
-            r.pub.close()
+        self._stop.set()
+        if self.thread is not None:
+            self.thread.join()
+        # vLLM's own shutdown() (it drains its queue, then joins its thread), all at once.
+        closing = [threading.Thread(target=r.close if isinstance(r, OwnEngine) else r.pub.close) for r in self.recs]
+        for t in closing:
+            t.start()
+        for t in closing:
+            t.join()
 
 
 def _answers(client: Client) -> list:
@@ -103,7 +152,7 @@ def _ref_answers(flow: Flow) -> list:
 
 
 def _caught_up(client: Client, flow: Flow) -> None:
-    want = {r.engine: r.pub.next_seq - 1 for r in flow.recs}
+    want = {r.engine: _next_seq(r) - 1 for r in flow.recs}
 
     def ok():
         ws = {w["engine"]: w for w in client.get("/v1/workers")[1]}
@@ -122,12 +171,20 @@ def _register(client: Client, flow: Flow, token: str | None = None) -> None:
 
 
 @pytest.fixture
-def flow():
-    f = Flow()
+def flow(request, caplog):
+    """The engines (``Flow``); ``"mirror"`` unless parametrized (indirectly) with
+    ``"vllm"``. vLLM's publisher must log no warning or error (a failed send, a bad
+    replay request, a queue left unsent at shutdown)."""
+    f = Flow(getattr(request, "param", "mirror"))
     try:
         yield f
     finally:
         f.close()
+    if f.publisher == "vllm":
+        name = kv.__name__
+        bad = [r for r in caplog.get_records("call") + caplog.get_records("teardown")
+               if r.name == name and r.levelno >= 30]
+        assert not bad, [r.getMessage() for r in bad]
 
 
 @pytest.fixture
@@ -146,13 +203,37 @@ def servers():
             s.stop()
 
 
+def _back(client: Client, flow: Flow) -> None:
+    """Wait until ``client``'s service has applied a batch published after ``flow.cap()``
+    from every engine (so it got everything before it: snapshot plus replay), without
+    going stale; then let the flow run free again."""
+    def ok():
+        ws = {w["engine"]: w for w in client.get("/v1/workers")[1]}
+        for w in ws.values():
+            assert not w["stale"], w  # a replay that came too late: the test, not the service
+        return all(e in ws and ws[e]["last_seq"] >= s and not ws[e]["replaying"] for e, s in flow.mark.items())
+
+    wait_for(ok, timeout=30, what=f"past {flow.mark}: {client.get('/v1/workers')[1]}")
+    flow.uncap()
+
+
+def _replayed(client: Client) -> None:
+    """What it missed came from the engines' replay sockets, and no replay failed."""
+    m = client.metrics()
+    assert sample(m, "kvi_replays_total", outcome="ok") >= 1 and sample(m, "kvi_replays_total", outcome="failed") == 0
+
+
 def _settle(flow: Flow, *clients: Client) -> None:
     flow.stop()
     for c in clients:
         _caught_up(c, flow)
 
 
+@pytest.mark.parametrize("flow", PUBLISHERS, indirect=True)
 def test_R_DUR_2_sigterm_restart_equals_a_service_that_never_stopped(flow, servers, tmp_path):
+    """R-DUR-2: a SIGTERM'd service with ``--state-dir`` comes back from the snapshot
+    written at shutdown (registry included), the engines' replay fills what it missed
+    while down, and it ends with the answers of a service that never stopped."""
     steady = servers()
     svc = servers("--state-dir", str(tmp_path), "--snapshot-interval-s", "0")
     _register(steady.client, flow)
@@ -160,23 +241,33 @@ def test_R_DUR_2_sigterm_restart_equals_a_service_that_never_stopped(flow, serve
     time.sleep(0.3)  # both subscribed before the flow starts
     flow.start()
     time.sleep(RUN_S)
+    flow.cap()
     svc.proc.send_signal(signal.SIGTERM)
     svc.proc.wait(20)
     assert svc.proc.returncode in (0, -signal.SIGTERM), svc.output()  # uvicorn re-raises the signal
     assert "wrote" in svc.output() and os.path.exists(tmp_path / "index.snap")
     time.sleep(0.7)  # the flow goes on while it is down: these batches must come from replay
+    down = flow.history()
     again = servers("--state-dir", str(tmp_path))
     assert [e["id"] for e in again.client.get("/v1/engines")[1]] == ["e0", "e1"]
-    time.sleep(1.0)
+    assert all(down[e] > s for e, s in flow.mark.items()), (flow.mark, down)  # published while it was down
+    _back(again.client, flow)
+    time.sleep(0.3)  # and on after it is back
     _settle(flow, again.client, steady.client)
     assert _answers(again.client) == _answers(steady.client) == _ref_answers(flow)
+    _replayed(again.client)
     m = again.client.metrics()
     assert sample(m, "kvi_snapshot_loads_total", source="state_dir", outcome="ok", reason="") == 1
     assert sample(m, "kvi_engine_changes_total", op="register", via="snapshot") == 2
     assert not any(w["stale"] for w in again.client.get("/v1/workers")[1])
 
 
+@pytest.mark.parametrize("flow", PUBLISHERS, indirect=True)
 def test_R_DUR_2_kill_9_after_a_snapshot_replays_the_rest(flow, servers, tmp_path):
+    """R-DUR-2: ``kill -9`` loses nothing a periodic snapshot holds: the restarted
+    service loads the last one and replays the batches after it. The engines' replay
+    rings (``BUFFER``) are shorter than their history, so only the snapshot can bring
+    back the beginning."""
     steady = servers()
     svc = servers("--state-dir", str(tmp_path), "--snapshot-interval-s", "0.3")
     _register(steady.client, flow)
@@ -184,20 +275,33 @@ def test_R_DUR_2_kill_9_after_a_snapshot_replays_the_rest(flow, servers, tmp_pat
     time.sleep(0.3)
     flow.start()
     time.sleep(RUN_S)
-    wait_for(lambda: sample(svc.client.metrics(), "kvi_snapshot_writes_total", outcome="ok") >= 2,
-             what="two periodic snapshots")
+    flow.cap()
+    # Two more periodic snapshots: the second one began after the cap.
+    n = sample(svc.client.metrics(), "kvi_snapshot_writes_total", outcome="ok")
+    assert n >= 2, n  # RUN_S is many snapshot intervals
+    wait_for(lambda: sample(svc.client.metrics(), "kvi_snapshot_writes_total", outcome="ok") >= n + 2,
+             what="two periodic snapshots after the cap")
     time.sleep(0.2)
     svc.proc.send_signal(signal.SIGKILL)
     svc.proc.wait(10)
     time.sleep(0.5)
+    down = flow.history()
     again = servers("--state-dir", str(tmp_path))
-    time.sleep(1.0)
+    assert all(down[e] > s for e, s in flow.mark.items()), (flow.mark, down)  # published after the snapshot
+    _back(again.client, flow)
+    time.sleep(0.3)
     _settle(flow, again.client, steady.client)
+    assert min(flow.history().values()) > BUFFER, flow.history()  # replay alone could not rebuild it
     assert _answers(again.client) == _answers(steady.client) == _ref_answers(flow)
+    _replayed(again.client)
     assert not any(w["stale"] for w in again.client.get("/v1/workers")[1])
 
 
+@pytest.mark.parametrize("flow", PUBLISHERS, indirect=True)
 def test_R_DUR_4_a_new_replica_bootstrapped_from_a_peer_equals_it(flow, servers, tmp_path):
+    """R-DUR-4: a new replica started ``--bootstrap-from`` a peer (token-guarded
+    ``GET /v1/snapshot``) takes its state and registry, replays the rest from the
+    engines, and ends with the peer's answers."""
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     peer = servers("--api-token-file", str(token_file))
@@ -207,11 +311,14 @@ def test_R_DUR_4_a_new_replica_bootstrapped_from_a_peer_equals_it(flow, servers,
     time.sleep(RUN_S)
     status, _ = peer.client.get("/v1/snapshot")
     assert status == 401  # the snapshot holds the registry: it needs the token
+    flow.cap()
     new = servers("--api-token-file", str(token_file), "--bootstrap-from", f"http://127.0.0.1:{peer.port}")
     assert [e["id"] for e in new.client.get("/v1/engines")[1]] == ["e0", "e1"]
-    time.sleep(0.5)
+    _back(new.client, flow)
+    time.sleep(0.3)
     _settle(flow, new.client, peer.client)
     assert _answers(new.client) == _answers(peer.client) == _ref_answers(flow)
+    _replayed(new.client)
     assert sample(new.client.metrics(), "kvi_snapshot_loads_total", source="peer", outcome="ok", reason="") == 1
 
 

@@ -33,9 +33,13 @@ kv = vllm_kv_events.load()
 needs_vllm = pytest.mark.skipif(kv is None, reason=vllm_kv_events.MISSING)
 
 
-def connected_sub(endpoint: str, ctx: zmq.Context | None = None) -> zmq.Socket:
+SUBSCRIBE_S = 0.3  # after the handshake, for the SUBSCRIBE to reach the PUB's I/O thread
+
+
+def connected_sub(endpoint: str, ctx: zmq.Context | None = None, *, settle: bool = True) -> zmq.Socket:
     """A SUB (all topics) on ``endpoint`` whose subscription the PUB has had time to take
-    in: vLLM's PUB has no probe to send, so wait for the handshake, then a little."""
+    in: vLLM's PUB has no probe to send, so wait for the handshake, then ``SUBSCRIBE_S``
+    (unless ``settle`` is false: the caller sleeps once for several)."""
     ctx = ctx or zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
@@ -49,7 +53,8 @@ def connected_sub(endpoint: str, ctx: zmq.Context | None = None) -> zmq.Socket:
     finally:
         sub.disable_monitor()
         mon.close(0)
-    time.sleep(0.3)  # the SUBSCRIBE reaches the PUB's I/O thread after the handshake
+    if settle:
+        time.sleep(SUBSCRIBE_S)
     return sub
 
 
@@ -60,7 +65,7 @@ class OwnEngine:
     log is what vLLM sent, so ``test_ingest.reference`` can replay it exactly; the same
     attributes as ``test_ingest.Rec`` (``engine``, ``rank``, ``model``, ``log``)."""
 
-    def __init__(self, engine: str, *, buffer_steps: int, topic: str = "") -> None:
+    def __init__(self, engine: str, *, buffer_steps: int, topic: str = "", settle: bool = True) -> None:
         assert kv is not None, vllm_kv_events.MISSING
         self.engine, self.rank, self.model = engine, 0, "default"
         self.sent = 0
@@ -71,7 +76,7 @@ class OwnEngine:
                                         buffer_steps=buffer_steps, topic=topic)
         conf = self.pub.get_publisher_config()
         self.live_endpoint, self.bound_replay_endpoint = conf.endpoint, conf.replay_endpoint
-        self._sub = connected_sub(self.live_endpoint)
+        self._sub = connected_sub(self.live_endpoint, settle=settle)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._record, name=f"record-{engine}", daemon=True)
         self._thread.start()
