@@ -384,12 +384,13 @@ def run_size(n: float, args, tmp: str) -> dict:
         json.dump(check_queries(p), f)
     spec = {"data": str(d), "workers": p.workers, "queries": qpath, "expect": os.path.join(tmp, "expect.json"),
             "snap": os.path.join(tmp, "index.snap"), "runs": args.runs, "warm_read": args.warm_read}
+    rspec = {**spec, "runs": args.restore_runs or args.runs}
     b = run_child("build", spec, args.cpu)
     st = b["stats"]
     if st["resident_entries"] != meta["resident_entries"] or st["nodes"] != meta["distinct_blocks"]:
         raise SystemExit(f"built index: {st}, the workload says {meta['resident_entries']:,} entries and "
                          f"{meta['distinct_blocks']:,} distinct blocks")
-    r = run_child("restore", spec, args.cpu)
+    r = run_child("restore", rspec, args.cpu)
     os.unlink(spec["snap"])
     out = {"size": n, "workers": p.workers, "seqs": p.seqs, "workload": meta, "ours": {**b, **r}}
     if args.peer and peer_available():
@@ -450,7 +451,7 @@ def report(results: list[dict], args) -> str:
                      o["rss_restore"] / o["rss_build"], o["peak_over_base"] / e, f"{o['checked_queries']} ok"])
     out.append(table(["workers x seqs", "read ms", "loads ms", "restore ms", "total ms", "RSS B/entry built",
                       "restored", "restored/built", "peak B/entry", "check"], rows,
-                     f"## ours: restore into a fresh PrefixIndex (median [min-max] of {args.runs} runs; read "
+                     f"## ours: restore into a fresh PrefixIndex (median [min-max] of {args.restore_runs or args.runs} runs; read "
                      f"{'warm' if args.warm_read else 'cold: file pages dropped first'}; RSS growth per entry)"))
     if any("dynamo" in x for x in results):
         rows = []
@@ -479,11 +480,29 @@ def report(results: list[dict], args) -> str:
     return "\n\n".join(out)
 
 
+def core_build() -> dict:
+    """Which commit and which build of the compiled core this run measured."""
+    root = HERE.parent
+
+    def git(*a: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *a], cwd=root, capture_output=True, text=True)
+
+    from indexer import _compiled
+
+    so = Path(_compiled.core.__file__) if _compiled.core is not None else None
+    return {"head": git("rev-parse", "HEAD").stdout.strip(),
+            "core_c_dirty": git("diff", "--quiet", "--", "indexer/_core.c").returncode != 0,
+            "so": so.name if so else "none (pure Python)",
+            "so_sha256": hashlib.sha256(so.read_bytes()).hexdigest() if so else "",
+            "so_mtime": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(so.stat().st_mtime)) if so else ""}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=float, nargs="+", default=[1e6, 1e7])
     ap.add_argument("--quick", action="store_true", help="10^5 entries only (a smoke test); checks the generator")
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--restore-runs", type=int, default=None, help="restores per size (default: --runs)")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--cpu", type=int, default=0, help="pin every process to this CPU (-1: no pinning)")
     ap.add_argument("--dir", default=None, help="where the snapshot files go (default: a temporary directory)")
@@ -505,6 +524,10 @@ def main() -> None:
         sys.stdout = sys.stderr
     header("bench_snapshot: snapshot size, write and restore time, ours and Dynamo's", argparse.Namespace())
     print(f"# affinity: every process pinned to CPU {args.cpu}" if args.cpu >= 0 else "# affinity: not pinned")
+    build = core_build()
+    state = "with uncommitted changes" if build["core_c_dirty"] else "as committed"
+    print(f"# tree: {build['head'][:12]}, indexer/_core.c {state}; compiled core {build['so']} "
+          f"(sha256 {build['so_sha256'][:12]}, built {build['so_mtime']})")
     if args.peer and not peer_available():
         print("# peer: .venv-dynamo not found, Dynamo skipped")
     if args.quick:
@@ -521,7 +544,7 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     print(report(results, args))
     if args.json:
-        print(json.dumps({"runs": args.runs, "cpu": args.cpu, "warm_read": args.warm_read, "sizes": results}),
+        print(json.dumps({"build": build, "runs": args.runs, "restore_runs": args.restore_runs or args.runs, "cpu": args.cpu, "warm_read": args.warm_read, "sizes": results}),
               file=real_stdout)
 
 
