@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
 import time
 from array import array
 from collections.abc import Iterable, Sequence
@@ -59,6 +60,24 @@ _U64 = (1 << 64) - 1
 # array typecodes of the widths the format fixes (C's unsigned int / long long)
 _U32, _U64C = "I", "Q"
 assert array(_U32).itemsize == 4 and array(_U64C).itemsize == 8
+_SWAP = sys.byteorder != "little"  # the columns are little-endian on every host
+
+
+def _le(a: array[int]) -> bytes:
+    """An array's bytes, little-endian."""
+    if _SWAP:
+        a = array(a.typecode, a)
+        a.byteswap()
+    return a.tobytes()
+
+
+def _col(code: str, data: bytes) -> array[int]:
+    """A little-endian column as an array (``bytes(data)``: an array reads a memoryview
+    one byte at a time)."""
+    a = array(code, bytes(data))
+    if _SWAP:
+        a.byteswap()
+    return a
 
 
 class SnapshotError(ValueError):
@@ -280,7 +299,7 @@ def _py_dump_tree(root: Node) -> tuple[bytes, bytes, bytes, list[int], list[tupl
                     stack.append((child, i))
             else:
                 stack.append((kids, i))
-    return parents.tobytes(), keys.tobytes(), mids.tobytes(), masks, extra, where
+    return _le(parents), _le(keys), _le(mids), masks, extra, where
 
 
 def _py_dump_map(wmap: Kids, where: Any) -> tuple[bytes, bytes, list[tuple[Any, int]]]:
@@ -301,7 +320,7 @@ def _py_dump_map(wmap: Kids, where: Any) -> tuple[bytes, bytes, list[tuple[Any, 
             idx.append(i)
         else:
             other.append((h, i))
-    return hashes.tobytes(), idx.tobytes(), other
+    return _le(hashes), _le(idx), other
 
 
 def _cut(index: PrefixIndex, engines: list[dict[str, Any]], meta: dict[str, Any]) -> Body:
@@ -325,7 +344,7 @@ def _cut(index: PrefixIndex, engines: list[dict[str, Any]], meta: dict[str, Any]
                     i = get(n)
                     if i:
                         st[i - 1] = s
-                stamps = st.tobytes()
+                stamps = _le(st)
             trees.append(TreeSnap(g, tree.block_size, mo.kinds.get(g), parents, keys, mids,
                                   [_mask_bytes(m) for m in masks], extras, stamps, tree.clock))
         models.append(ModelSnap(name, trees, mo.tiered, name in index._idle_models))
@@ -364,7 +383,7 @@ def _group_snap(g: int, wg: _WG, pos: Any) -> GroupSnap:
             if i is not None:
                 ni.append(i)
                 nb.append(n)
-        ends.append((tid, ni.tobytes(), nb.tobytes()))
+        ends.append((tid, _le(ni), _le(nb)))
     return GroupSnap(g, hashes, idx, other, list(wg.res), ends)
 
 
@@ -376,9 +395,9 @@ def _py_load_tree(root: Node, parents: bytes, keys: bytes, mask_ids: bytes, mask
     before its children). Returns the nodes, the root first."""
     nodes: list[Node] = [root]
     append = nodes.append
-    par = array(_U32, parents)
-    ks = array(_U64C, keys)
-    mids = array(_U32, mask_ids)
+    par = _col(_U32, parents)
+    ks = _col(_U64C, keys)
+    mids = _col(_U32, mask_ids)
     if not len(par) == len(ks) == len(mids):
         raise ValueError("tree columns of different lengths")
     n = len(nodes)
@@ -403,7 +422,7 @@ def _py_load_tree(root: Node, parents: bytes, keys: bytes, mask_ids: bytes, mask
 def _py_load_map(wmap: Kids, hashes: bytes, idx: bytes, nodes: list[Node]) -> None:
     """Put ``hashes[i] -> nodes[idx[i]]`` into a worker's map (the columns
     :func:`_py_dump_map` wrote). ``_core.load_map`` is the compiled twin."""
-    hs, ix = array(_U64C, hashes), array(_U32, idx)
+    hs, ix = _col(_U64C, hashes), _col(_U32, idx)
     if len(hs) != len(ix):
         raise ValueError(f"{len(hs)} hashes, {len(ix)} node indices")
     for h, i in zip(hs, ix):
@@ -512,7 +531,7 @@ def _load_group(gs: GroupSnap, nodes: list[Node], max_tiers: int) -> _WG:
     res = list(gs.res)[:max_tiers]
     wg.res[: len(res)] = res
     for tid, ni, nb in gs.ends:
-        ia, na = array(_U32, ni), array(_U32, nb)
+        ia, na = _col(_U32, ni), _col(_U32, nb)
         if len(ia) != len(na):
             raise ValueError(f"group {gs.group}: chunk ends of different lengths")
         wg.ends[tid] = {nodes[i]: n for i, n in zip(ia, na)}
@@ -529,7 +548,7 @@ def _restamp(tree: Tree, nodes: list[Node], stamps: bytes | None, clock: int) ->
             st[nodes[i]] = i
         tree.clock = len(nodes)
     else:
-        for i, s in enumerate(array(_U64C, stamps), 1):
+        for i, s in enumerate(_col(_U64C, stamps), 1):
             if s:
                 st[nodes[i]] = s
         tree.clock = clock
