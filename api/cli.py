@@ -2,6 +2,8 @@
 
 * ``serve``: the HTTP service (uvicorn, one worker: the index lives in this process's
   memory); ``serve --demo`` adds the live demo fleet (simulated engines publishing over ZMQ).
+* ``relay --nats URL``: subscribe to the engines and publish their batches to a NATS
+  JetStream event log that ``serve --nats URL`` replicas follow (``docs/jetstream.md``).
 * ``demo-prompt N``: a ``/v1/match`` body with the prompt of the demo fleet's request N.
 * ``demo-offline``: no service, an index built in this process from simulated events.
 * ``decode FILE``: one vLLM batch payload as JSON.

@@ -41,7 +41,7 @@ from nats.js.object_store import ObjectStore
 from .engines import EngineConfig
 from .index import PrefixIndex
 from .result import MatchResult
-from .sequencer import DUPLICATE, GAP, RESTART, classify, peek_ts
+from .sequencer import GAP, RESTART, classify, peek_ts
 
 __all__ = [
     "DEFAULT_BUCKET", "DEFAULT_STREAM", "DEFAULT_SUBJECT", "H_ENGINE", "H_MODEL", "H_RANK", "H_RESTART", "H_SEQ",
@@ -65,7 +65,9 @@ H_ENGINE = "Kvi-Engine"
 H_RANK = "Kvi-Rank"
 H_MODEL = "Kvi-Model"
 H_SEQ = "Kvi-Seq"
-H_RESTART = "Kvi-Restart"  # "1": the relay's sequencer dropped the worker's residency before this batch
+# The relay's sequencer dropped the worker's residency before this batch: the value is the
+# ts (repr) of the last batch it had applied then, i.e. which incarnation was replaced.
+H_RESTART = "Kvi-Restart"
 H_STALE = "Kvi-Stale"  # the relay holds the worker stale: its reason
 MSG_ID = "Nats-Msg-Id"
 
@@ -83,13 +85,13 @@ def _text(v: str) -> str:
     return _CTL.sub(" ", v)  # a header value is one line
 
 
-def headers(engine: str, rank: int, model: str, seq: int, payload: bytes, *, restart: bool = False,
+def headers(engine: str, rank: int, model: str, seq: int, payload: bytes, *, restart_after: float | None = None,
             stale: str | None = None) -> dict[str, str]:
     """The headers of one batch's message (the payload is the batch as vLLM sent it)."""
     h = {MSG_ID: msg_id(engine, rank, seq, payload), H_ENGINE: engine, H_RANK: str(rank), H_MODEL: _text(model),
          H_SEQ: str(seq)}
-    if restart:
-        h[H_RESTART] = "1"
+    if restart_after is not None:
+        h[H_RESTART] = repr(restart_after)
     if stale is not None:
         h[H_STALE] = _text(stale)[:512]
     return h
@@ -338,7 +340,7 @@ class JetStreamIngest:
     # ------------------------------------------------------------- the rule
 
     def apply_record(self, engine: str, rank: int, model: str, seq: int, payload: bytes, *,
-                     restart: bool = False, stale: str | None = None) -> str:
+                     restart_after: float | None = None, stale: str | None = None) -> str:
         """Apply one message of the log (R-DUR-10): a pure function of the message and
         the index, so replicas fed the same stream end identical.
 
@@ -346,8 +348,10 @@ class JetStreamIngest:
         :meth:`PrefixIndex.apply` applies it): ``seq == last + 1`` applies; ``seq <=
         last`` with a newer batch ts is an engine restart (residency dropped, then
         applied), else a duplicate (skipped). Besides: the relay's ``Kvi-Restart`` makes
-        a batch that looks like a duplicate a restart (the relay proved it by replay: an
-        engine clock behind); a forward gap, or a first batch past seq 0, applies and
+        a batch a restart that the ts alone cannot show (the relay proved it by replay: an
+        engine clock behind, or a restart hidden behind a reconnect) when the batch it says
+        was replaced (its ts, ``restart_after``) is the worker's last one here (a copy
+        re-sent later by a relay that lagged is not); a forward gap, or a first batch past seq 0, applies and
         marks the worker stale naming the missing seqs; seq 0 (a fresh start) clears the
         mark; the relay's ``Kvi-Stale`` marks it stale with the relay's reason.
 
@@ -359,7 +363,7 @@ class JetStreamIngest:
         last = w.last_seq if known and w is not None else None
         last_ts = w.last_ts if known and w is not None else None
         verdict = classify(last, last_ts, seq, peek_ts(payload))
-        if verdict == DUPLICATE and restart:
+        if verdict != RESTART and restart_after is not None and restart_after == last_ts:
             ix.reset_worker(engine, rank)
             verdict = RESTART
         out = ix.apply(engine, payload, model=model, dp_rank=rank, seq=seq)
@@ -394,7 +398,11 @@ class JetStreamIngest:
         except (KeyError, ValueError):
             self.counters["bad_messages"] += 1
             return
-        self.apply_record(engine, rank, model, seq, msg.data, restart=h.get(H_RESTART) == "1", stale=h.get(H_STALE))
+        try:
+            after = float(h[H_RESTART]) if H_RESTART in h else None
+        except ValueError:
+            after = None
+        self.apply_record(engine, rank, model, seq, msg.data, restart_after=after, stale=h.get(H_STALE))
         if self.index.readers_waiting:
             time.sleep(0)  # a query waits for the lock: let it run now
 
@@ -558,15 +566,25 @@ class JetStreamIngest:
         except ImportError:  # pragma: no cover - a build without snapshots
             return False
         assert self._obs is not None
-        try:
-            info = await self._obs.get_info(SNAPSHOT_OBJECT)
-            if info.digest is not None and info.digest == self._bad_digest:
-                return False  # the one refused already: counted once
-            res = await self._obs.get(SNAPSHOT_OBJECT)
-        except nats.js.errors.ObjectNotFoundError:
+        res = None
+        for _ in range(3):
+            try:
+                info = await self._obs.get_info(SNAPSHOT_OBJECT)
+                if info.digest is not None and info.digest == self._bad_digest:
+                    return False  # the one refused already: counted once
+                # A get waits for every chunk: one replaced meanwhile (its chunks purged by
+                # the new put) never completes. Bounded, then read again.
+                res = await asyncio.wait_for(self._obs.get(SNAPSHOT_OBJECT), 10.0 + (info.size or 0) / 20e6)
+                break
+            except nats.js.errors.ObjectNotFoundError:
+                return False
+            except asyncio.TimeoutError:
+                log.warning("%s: reading snapshot %s/%s timed out; again", self.name, self.bucket, SNAPSHOT_OBJECT)
+            except nats.js.errors.Error as e:  # a chunk missing, a digest mismatch: as corrupt
+                return self._refuse("object", repr(e))
+        if res is None:
+            self.counters["snapshot_errors"] += 1
             return False
-        except nats.js.errors.Error as e:  # a chunk missing, a digest mismatch: as corrupt
-            return self._refuse("object", repr(e))
         self._bad_digest = res.info.digest
         data = res.data or b""
         try:

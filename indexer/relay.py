@@ -70,7 +70,8 @@ class _RelaySink(_Sink):
     def reset_worker(self, sub: _Sub) -> None:
         relay = self.ingest
         assert isinstance(relay, Relay)
-        relay._restart_next.add((sub.engine, sub.rank))
+        if sub.anchor_ts is not None:  # which incarnation the next batch replaces
+            relay._restart_next[(sub.engine, sub.rank)] = sub.anchor_ts
         relay.counters["restarts"] += 1
         log.info("worker %s/%d: engine restart; the next batch carries the reset", sub.engine, sub.rank)
         super().reset_worker(sub)
@@ -127,7 +128,8 @@ class Relay(Indexer):
         self.counters: dict[str, int] = dict.fromkeys(RELAY_COUNTERS, 0)
         self.nats_connected = False
         self._lanes: dict[tuple[str, int], _Lane] = {}
-        self._restart_next: set[tuple[str, int]] = set()  # workers whose next batch carries Kvi-Restart
+        # Workers whose next batch carries Kvi-Restart: the ts of the last batch before the reset.
+        self._restart_next: dict[tuple[str, int], float] = {}
         self._stale: dict[tuple[str, int], str] = {}  # the sequencer's stale workers, with the reason
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
@@ -166,6 +168,8 @@ class Relay(Indexer):
             log.debug("relay shutdown: %r", e)
         t.join(5)
         self._loop_thread = None
+        self._loop = None
+        self._lanes = {}  # their tasks and events belonged to that loop (what was left is logged)
 
     @property
     def pending(self) -> int:
@@ -227,7 +231,7 @@ class Relay(Indexer):
     def _enqueue(self, sub: _Sub, seq: int, payload: bytes) -> None:
         """On the ingest thread: queue one applied batch on its worker's lane."""
         key = (sub.engine, sub.rank)
-        restart = key in self._restart_next
+        restart = self._restart_next.get(key)
         lane = self._lanes.get(key)
         if lane is None:
             lane = self._lanes[key] = _Lane(key)
@@ -242,8 +246,8 @@ class Relay(Indexer):
                 log.error("worker %s/%d: %d batch(es) dropped, NATS does not ack (%d queued)", sub.engine,
                           sub.rank, lane.dropped, len(lane.q))
             return
-        self._restart_next.discard(key)
-        lane.q.append((headers(sub.engine, sub.rank, sub.model, seq, payload, restart=restart,
+        self._restart_next.pop(key, None)
+        lane.q.append((headers(sub.engine, sub.rank, sub.model, seq, payload, restart_after=restart,
                                stale=self._stale.get(key)), payload))
         self.counters["published"] += 1
         if lane.idle and lane.wake is not None:

@@ -180,10 +180,13 @@ def put_object(url: str, data: bytes, nats_seq: int, bucket: str = "kvi-snapshot
 
 
 def get_object(url: str, bucket: str = "kvi-snapshots") -> bytes | None:
+    """The stored snapshot's bytes; None when there is none (or it was replaced while
+    being read: a get then waits for chunks that are gone, so it is bounded)."""
     async def get(js):
         try:
-            return (await (await js.object_store(bucket)).get(SNAPSHOT_OBJECT)).data
-        except nats.js.errors.NotFoundError:
+            obs = await js.object_store(bucket)
+            return (await asyncio.wait_for(obs.get(SNAPSHOT_OBJECT), 5.0)).data
+        except (nats.js.errors.NotFoundError, asyncio.TimeoutError):
             return None
 
     return js_call(url, get)
@@ -283,8 +286,11 @@ def test_R_DUR_10_R_DUR_11_replica_rule_is_the_sequencers_with_gaps_marked_stale
         (_rec("e1", 4, [store(p2, BS, 0, 6)], 102.0), {}),  # gap: 2..3 missing
         (_rec("e2", 3, [store(p0, BS, 0, 2)], 100.0), {}),  # first batch past 0: 0..2 missing
         (_rec("e1", 0, [store(p2, BS, 0, 3)], 200.0), {}),  # newer ts: restart, fresh again
-        (_rec("e2", 0, [store(p1, BS, 0, 3)], 50.0), {"restart": True}),  # clock behind, relay proved it
+        (_rec("e2", 0, [store(p1, BS, 0, 3)], 50.0), {"restart_after": 100.0}),  # clock behind, relay proved it
         (_rec("e2", 1, [store(p1, BS, 0, 4)], 51.0), {"stale": "continuity after seq 0 unproven: x"}),
+        # A copy of that flagged batch re-sent much later (a relay that lagged): its
+        # restart_after is not e2's last ts any more: a duplicate.
+        (_rec("e2", 0, [store(p1, BS, 0, 3)], 50.0), {"restart_after": 100.0}),
     ]
     reps = [JetStreamIngest("nats://127.0.0.1:1", name=f"r{i}") for i in range(2)]  # never started
     trace, outs = [], []
@@ -292,7 +298,8 @@ def test_R_DUR_10_R_DUR_11_replica_rule_is_the_sequencers_with_gaps_marked_stale
         outs.append(reps[0].apply_record(*r, **kw))
         trace.append({w["engine"]: (w["stale"], w["stale_reason"]) for w in reps[0].index.workers()})
     assert outs == [reps[1].apply_record(*r, **kw) for r, kw in recs]
-    assert outs == ["applied", "applied", "duplicate", "applied", "applied", "applied", "applied", "applied"]
+    assert outs == ["applied", "applied", "duplicate", "applied", "applied", "applied", "applied", "applied",
+                    "duplicate"]
     ix = reps[0].index
     assert trace[3]["e1"] == (True, "event log: batch(es) 2..3 of e1/0 missing")
     assert trace[4]["e2"] == (True, "event log: batch(es) 0..2 of e2/0 missing")
@@ -303,7 +310,7 @@ def test_R_DUR_10_R_DUR_11_replica_rule_is_the_sequencers_with_gaps_marked_stale
     assert ix.match(p0).worker("e1") is None and ix.match(p2).worker("e1").total_blocks == 3
     assert ix.match(p0).worker("e2") is None and ix.match(p1).worker("e2").total_blocks == 4
     assert reps[0].counters == reps[1].counters
-    assert reps[0].counters["restarts"] == 2 and reps[0].counters["duplicates"] == 1
+    assert reps[0].counters["restarts"] == 2 and reps[0].counters["duplicates"] == 2
     assert blocks(reps[0].index) == blocks(reps[1].index)
 
 
@@ -314,8 +321,9 @@ def test_R_DUR_13_message_id_is_engine_rank_seq_and_payload_digest():
     b = encode_batch([store(PROMPTS[0], BS, 0, 2)], ts=2.0)
     assert msg_id("e1", 0, 0, a) == msg_id("e1", 0, 0, a) != msg_id("e1", 0, 0, b)
     assert msg_id("e1", 0, 0, a).startswith("e1/0/0/")
-    h = headers("e1", 1, "m\r\nx", 7, a, restart=True)
-    assert h["Kvi-Rank"] == "1" and h["Kvi-Seq"] == "7" and h[H_RESTART] == "1" and "\n" not in h["Kvi-Model"]
+    h = headers("e1", 1, "m\r\nx", 7, a, restart_after=1767225600.123456)
+    assert h["Kvi-Rank"] == "1" and h["Kvi-Seq"] == "7" and "\n" not in h["Kvi-Model"]
+    assert float(h[H_RESTART]) == 1767225600.123456  # exact: repr round-trips
 
 
 # ---------------------------------------------------------- over a real server
@@ -497,6 +505,54 @@ def test_R_DUR_11_trimmed_stream_and_corrupt_snapshot_workers_stale_naming_the_l
     assert rep.counters["stream_lost"] == lost > 0
     for w in rep.index.workers():
         assert w["stale"] and w["stale_reason"].startswith("event log: batch(es) 0"), w
+
+
+def test_R_DUR_10_restart_behind_a_reconnect_with_a_clock_behind_reaches_replicas(natsd, closing):
+    """R-DUR-10 with R-STR-7: an engine restarts on the same ports while the relay is
+    disconnected, its clock behind, and its first batches are lost (the next seq the
+    relay sees is exactly last + 1). Neither seq nor ts shows the restart; the relay
+    proves it by replay and rebuilds from 0, marking the first batch with the ts of the
+    batch it replaced. The replica drops the old incarnation and equals the reference."""
+    port, rport = free_port(), free_port()
+
+    def bind() -> VllmPublisher:
+        for _ in range(100):
+            try:
+                return VllmPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}", bind=True)
+            except Exception:
+                time.sleep(0.02)
+        raise AssertionError("ports not free again")
+
+    pub = bind()
+    rec = Rec(pub, "e1")
+    cfg = EngineConfig(id="e1", endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{rport}")
+    rl = closing(Relay([cfg], url=natsd.url, reconnect_ivl_max_ms=200))
+    rl.start()
+    rep = closing(replica(natsd.url, "r"))
+    wait_until(lambda: rl.workers()[0]["connected"], 5, msg="SUB connected")
+    time.sleep(0.2)
+    for i in range(3):
+        rec.send([store(PROMPTS[i], BS, 0, 6)], ts=2000.0 + i)
+    wait_until(lambda: rep.seq == 3, 10, msg=lambda: f"old incarnation in the log: {rep.counters}")
+    pub.close()
+    rec.pub = pub = bind()
+    rec.log = []
+    try:
+        for i in range(3):  # nobody subscribed yet: lost on the live socket, kept for replay
+            rec.send([store(PROMPTS[10 + i], BS, 0, 6)], drop=True, ts=1000.0 + i)
+        wait_until(lambda: rl.workers()[0]["connects"] >= 2 and rl.workers()[0]["connected"], 10, msg="reconnected")
+        time.sleep(0.2)
+        rec.send([store(PROMPTS[20], BS, 0, 6)], ts=1003.0)  # seq 3: looks like the next one
+        wait_until(lambda: caught_up(rep, [rec]) and rep.counters["messages"] >= 7, 10,
+                   msg=lambda: f"new incarnation in the log: {rep.counters}, {rl.counters}")
+        assert rl.counters["restarts"] == 1
+        assert rep.counters["restarts"] == 1 and not rep.index.workers()[0]["stale"], rep.counters
+        assert rep.index.match(PROMPTS[0]).worker("e1") is None
+        ref = reference([rec])
+        assert answers(rep.index, PROMPTS) == answers(ref, PROMPTS) and blocks(rep.index) == blocks(ref)
+    finally:
+        rl.stop()
+        pub.close()
 
 
 def test_R_DUR_13_relay_buffer_bounded_drops_counted_replicas_see_the_gap(fleet, closing, tmp_path):
