@@ -547,6 +547,10 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
              responses={200: {"content": {"application/octet-stream": {"schema": {"type": "string",
                                                                                    "format": "binary"}}}}})
     async def snapshot() -> Response:
+        if not hasattr(svc.ingest, "snapshot"):  # a JetStream replica: its snapshots are in the object store
+            return Response(error_body("this replica follows the JetStream event log: its snapshots are in the "
+                                       f"object store (bucket {svc.settings.nats_bucket!r}); start a new replica "
+                                       "with --nats, not --bootstrap-from"), status_code=409, media_type=JSON)
         data = await off_loop(svc.snapshot)
         return Response(data, media_type="application/octet-stream",
                         headers={"Content-Disposition": 'attachment; filename="index.snap"'})

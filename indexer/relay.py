@@ -28,8 +28,8 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from .engines import EngineConfig, as_config
+from .eventlog import DEFAULT_STREAM, DEFAULT_SUBJECT, DUPLICATE_WINDOW_S, connect, ensure_stream, headers
 from .ingest import Indexer, _Sink, _Sub
-from .jetstream import DEFAULT_STREAM, DEFAULT_SUBJECT, DUPLICATE_WINDOW_S, connect, ensure_stream, headers
 from .sequencer import peek_ts
 
 __all__ = ["Relay", "RELAY_COUNTERS"]

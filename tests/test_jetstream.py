@@ -30,7 +30,8 @@ from nats.js import api
 from evkit import ehashes, removed, store, toks
 from indexer import PrefixIndex
 from indexer.engines import EngineConfig
-from indexer.jetstream import H_RESTART, SNAPSHOT_OBJECT, JetStreamIngest, headers, msg_id
+from indexer.eventlog import H_RESTART, SNAPSHOT_OBJECT, headers, msg_id
+from indexer.jetstream import JetStreamIngest
 from indexer.producer.events import encode_batch
 from indexer.producer.publisher import VllmPublisher
 from indexer.relay import Relay
@@ -379,6 +380,8 @@ def test_R_DUR_12_replica_killed_new_one_starts_from_the_object_store_snapshot(n
         assert st == 409 and "register engines with the relay" in body["detail"], body
         st, body = c.delete("/v1/engines/e1")
         assert st == 409 and "register engines with the relay" in body["detail"], body
+        st, body = c.get("/v1/snapshot")  # a replica's snapshots are in the object store (R-DUR-12)
+        assert st == 409 and "object store" in body["detail"], body
         m = c.metrics()
         assert sample(m, "kvi_jetstream_messages_total", outcome="applied") > 0, [k for k in m if "jetstream" in k[0]]
         srv.proc.kill()  # a crash: no snapshot on the way out
@@ -587,6 +590,6 @@ def test_relay_and_replica_modules_stay_off_the_default_import_path():
     """nats is imported only by indexer.jetstream / indexer.relay, which nothing on the
     library's or the service's default path imports."""
     code = ("import sys, indexer, indexer.ingest, indexer.discovery, api.app, api.cli; "
-            "bad = [m for m in ('nats', 'indexer.jetstream', 'indexer.relay') if m in sys.modules]; "
+            "bad = [m for m in ('nats', 'indexer.jetstream', 'indexer.relay', 'indexer.eventlog') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
