@@ -2250,6 +2250,32 @@ fail:
     return NULL;
 }
 
+static Py_ssize_t
+gcd_ssize(Py_ssize_t a, Py_ssize_t b)
+{
+    while (b) {
+        Py_ssize_t t = a % b;
+        a = b;
+        b = t;
+    }
+    return a;
+}
+
+/* The step of load_map's order over n entries: 0x9E3779B97F4A7C15 mod n, moved up
+ * to the next value coprime with n (1 for n <= 2). Same as snapshot._load_stride. */
+static Py_ssize_t
+load_stride(Py_ssize_t n)
+{
+    if (n <= 2)
+        return 1;
+    Py_ssize_t s = (Py_ssize_t)(0x9E3779B97F4A7C15ULL % (unsigned long long)n);
+    if (s == 0)
+        s = 1;
+    while (gcd_ssize(s, n) != 1)
+        s++;
+    return s;
+}
+
 PyDoc_STRVAR(load_map_doc,
 "load_map(wmap, hashes, idx, nodes) -> None\n\n"
 "Put hashes[i] -> nodes[idx[i]] into a worker's map (the little-endian uint64 and\n"
@@ -2279,24 +2305,39 @@ load_map(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     const unsigned char *hp = hv.buf, *ip = iv.buf;
+    /* The columns come in the source table's slot order, i.e. sorted by a hash's
+     * home slot: inserted in that order into a table that grows as it fills, they
+     * pile up in a few long probe runs (quadratic: minutes at 10^7 entries). So the
+     * table is sized once for all of them, and they go in a scattered order (a
+     * stride coprime with n, the same order as snapshot._py_load_map). */
+    Py_ssize_t cap = m->cap ? m->cap : 4;
+    while ((m->used + n) * 4 > cap * 3)
+        cap *= 2;
+    if (cap > m->cap && map_resize(m, cap) < 0)
+        goto done;
+    Py_ssize_t stride = load_stride(n), j = 0, ja = 0;
     enum { AHEAD = 8 };
+    for (Py_ssize_t i = 0; i < AHEAD && i < n; i++)
+        ja = ja + stride >= n ? ja + stride - n : ja + stride;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + AHEAD < n && m->cap) {
-            /* The random reads, the map's slot and the node's refcount, start
-             * AHEAD entries early (the slot in the table as it is now). */
-            uint32_t ka = get_le32(ip + (i + AHEAD) * 4);
-            __builtin_prefetch(&m->slots[(size_t)mix64(get_le64(hp + (i + AHEAD) * 8)) & ((size_t)m->cap - 1)], 1);
+        if (i + AHEAD < n) {
+            /* The random reads (the map's slot, the node's refcount and the columns
+             * themselves) start AHEAD entries early. */
+            uint32_t ka = get_le32(ip + ja * 4);
+            __builtin_prefetch(&m->slots[(size_t)mix64(get_le64(hp + ja * 8)) & ((size_t)m->cap - 1)], 1);
             if ((Py_ssize_t)ka < PyList_GET_SIZE(nodes))
                 __builtin_prefetch(PyList_GET_ITEM(nodes, ka), 1);
+            ja = ja + stride >= n ? ja + stride - n : ja + stride;
         }
-        uint32_t k = get_le32(ip + i * 4);
+        uint32_t k = get_le32(ip + j * 4);
         /* Read each time: releasing a replaced value may run code that changes the list. */
         if ((Py_ssize_t)k >= PyList_GET_SIZE(nodes)) {
             PyErr_SetString(PyExc_IndexError, "list index out of range");
             goto done;
         }
-        if (map_put(m, get_le64(hp + i * 8), PyList_GET_ITEM(nodes, k)) < 0)
+        if (map_put(m, get_le64(hp + j * 8), PyList_GET_ITEM(nodes, k)) < 0)
             goto done;
+        j = j + stride >= n ? j + stride - n : j + stride;
     }
     res = Py_None;
     Py_INCREF(res);

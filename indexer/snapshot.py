@@ -29,6 +29,7 @@ anything, and raises :class:`SnapshotError` with a bounded ``reason``.
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 import sys
@@ -423,10 +424,28 @@ def _py_load_map(wmap: Kids, hashes: bytes, idx: bytes, nodes: list[Node]) -> No
     """Put ``hashes[i] -> nodes[idx[i]]`` into a worker's map (the columns
     :func:`_py_dump_map` wrote). ``_core.load_map`` is the compiled twin."""
     hs, ix = _col(_U64C, hashes), _col(_U32, idx)
-    if len(hs) != len(ix):
-        raise ValueError(f"{len(hs)} hashes, {len(ix)} node indices")
-    for h, i in zip(hs, ix):
-        wmap[h] = nodes[i]
+    n = len(hs)
+    if n != len(ix):
+        raise ValueError(f"{n} hashes, {len(ix)} node indices")
+    # Scattered, not in the columns' order: that is the source table's slot order, which
+    # piles inserts into long probe runs in a growing table (see _core.load_map).
+    stride = _load_stride(n)
+    j = 0
+    for _ in range(n):
+        wmap[hs[j]] = nodes[ix[j]]
+        j += stride
+        if j >= n:
+            j -= n
+
+
+def _load_stride(n: int) -> int:
+    """The step of :func:`_py_load_map`'s order: coprime with ``n``, so every entry comes once."""
+    if n <= 2:
+        return 1
+    s = 0x9E3779B97F4A7C15 % n or 1
+    while math.gcd(s, n) != 1:
+        s += 1
+    return s
 
 
 # The compiled twins when the core has them (an older build, or KVI_PURE_PYTHON=1: the

@@ -209,9 +209,16 @@ def test_compiled_load_builds_what_the_pure_load_builds(tree: tuple[Any, list[An
         m1, m2 = Kids(), Kids()
         snapshot._py_load_map(m1, hashes, idx, n1)
         _core.load_map(m2, hashes, idx, n2)
-        assert m1.keys() == m2.keys() and len(m1) == len(nodes)
-        assert [at1[id(v)] for v in m1.values()] == [at2[id(v)] for v in m2.values()]
-        assert snapshot._py_dump_map(m1, d1[5]) == _core.dump_map(m2, d2[5])
+        # The same entries; the C load sizes its table once, the pure one grows it, so
+        # their slot orders (and the dumps' entry orders) may differ.
+        assert len(m1) == len(m2) == len(nodes)
+        assert {k: at1[id(m1[k])] for k in m1} == {k: at2[id(m2[k])] for k in m2}
+        e1, e2 = snapshot._py_dump_map(m1, d1[5]), _core.dump_map(m2, d2[5])
+
+        def pairs(cols):
+            return sorted(zip(array("Q", cols[0]), array("I", cols[1])))
+
+        assert pairs(e1) == pairs(e2) and e1[2] == e2[2]
     finally:
         unlink(root)
         unlink(r1)
