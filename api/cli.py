@@ -21,6 +21,7 @@ import logging
 import logging.config
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .settings import ENV_PREFIX, FIELDS, Settings, SettingsError, load_settings, parse_engine_spec
@@ -453,57 +454,47 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    try:
-        overrides: dict[str, Any] = {
-            "host": args.host,
-            "port": args.port,
-            "log_level": args.log_level,
-            "log_json": args.log_json,
-            "access_log": args.access_log,
-            "max_request_tokens": args.max_request_tokens,
-            "max_nodes": args.max_nodes,
-            "replay_timeout_s": args.replay_timeout_s,
-            "demo": args.demo,
-            "demo_speedup": args.demo_speedup,
-            "api_token_file": args.api_token_file,
-            "auth_reads": args.auth_reads,
-            "allowed_endpoints": args.allowed_endpoint,
-            "ready_fraction": args.ready_fraction,
-            "predicted_credit": args.predicted_credit,
-            "prefill_ttl_s": args.prefill_ttl_s,
-            "decode_ttl_s": args.decode_ttl_s,
-            "max_in_flight": args.max_in_flight,
-            "state_dir": args.state_dir,
-            "snapshot_interval_s": args.snapshot_interval_s,
-            "bootstrap_from": args.bootstrap_from,
-            "nats_url": args.nats_url,
-        }
-        if args.engine:
-            overrides["engines"] = [parse_engine_spec(e) for e in args.engine]
-        settings = load_settings(args.config, overrides)
-    except SettingsError as e:
-        print(f"{args.prog}: {e}", file=sys.stderr)
-        return 2
-    if args.check:
-        import msgspec
-
-        print(msgspec.json.format(msgspec.json.encode(settings.redacted())).decode())
-        return 0
+    overrides: dict[str, Any] = {
+        "host": args.host,
+        "port": args.port,
+        "log_level": args.log_level,
+        "log_json": args.log_json,
+        "access_log": args.access_log,
+        "max_request_tokens": args.max_request_tokens,
+        "max_nodes": args.max_nodes,
+        "replay_timeout_s": args.replay_timeout_s,
+        "demo": args.demo,
+        "demo_speedup": args.demo_speedup,
+        "api_token_file": args.api_token_file,
+        "auth_reads": args.auth_reads,
+        "allowed_endpoints": args.allowed_endpoint,
+        "ready_fraction": args.ready_fraction,
+        "predicted_credit": args.predicted_credit,
+        "prefill_ttl_s": args.prefill_ttl_s,
+        "decode_ttl_s": args.decode_ttl_s,
+        "max_in_flight": args.max_in_flight,
+        "state_dir": args.state_dir,
+        "snapshot_interval_s": args.snapshot_interval_s,
+        "bootstrap_from": args.bootstrap_from,
+        "nats_url": args.nats_url,
+    }
+    settings = _settings(args, overrides)
+    if not isinstance(settings, Settings):
+        return settings
     serve(settings)  # FastAPI and uvicorn are imported here, not before
     return 0
 
 
-def _cmd_relay(args: argparse.Namespace) -> int:
-    """``kv-indexer relay``: engines in (ZMQ), the JetStream event log out, until SIGTERM/SIGINT."""
+def _settings(args: argparse.Namespace, overrides: dict[str, Any],
+              check: Callable[[Settings], None] | None = None) -> Settings | int:
+    """The settings of ``serve`` or ``relay`` (file, environment, flags), or the exit code:
+    2 after printing why they are bad, 0 after printing them (``--check``)."""
     try:
-        overrides: dict[str, Any] = {"nats_url": args.nats_url, "log_level": args.log_level,
-                                     "log_json": args.log_json, "allowed_endpoints": args.allowed_endpoint,
-                                     "replay_timeout_s": args.replay_timeout_s}
         if args.engine:
             overrides["engines"] = [parse_engine_spec(e) for e in args.engine]
         settings = load_settings(args.config, overrides)
-        if not settings.nats_url:
-            raise SettingsError("relay needs a NATS server: --nats URL (or nats_url, KVI_NATS_URL)")
+        if check is not None:
+            check(settings)
     except SettingsError as e:
         print(f"{args.prog}: {e}", file=sys.stderr)
         return 2
@@ -512,6 +503,22 @@ def _cmd_relay(args: argparse.Namespace) -> int:
 
         print(msgspec.json.format(msgspec.json.encode(settings.redacted())).decode())
         return 0
+    return settings
+
+
+def _cmd_relay(args: argparse.Namespace) -> int:
+    """``kv-indexer relay``: engines in (ZMQ), the JetStream event log out, until SIGTERM/SIGINT."""
+    overrides: dict[str, Any] = {"nats_url": args.nats_url, "log_level": args.log_level,
+                                 "log_json": args.log_json, "allowed_endpoints": args.allowed_endpoint,
+                                 "replay_timeout_s": args.replay_timeout_s}
+
+    def needs_nats(s: Settings) -> None:
+        if not s.nats_url:
+            raise SettingsError("relay needs a NATS server: --nats URL (or nats_url, KVI_NATS_URL)")
+
+    settings = _settings(args, overrides, needs_nats)
+    if not isinstance(settings, Settings):
+        return settings
     import signal
     import threading
 
@@ -522,7 +529,7 @@ def _cmd_relay(args: argparse.Namespace) -> int:
     logging.config.dictConfig(cfg)
     log = logging.getLogger("kv_indexer.relay")
     _fd_limit(settings.max_workers)
-    relay = Relay(settings.engines, url=settings.nats_url, stream=settings.nats_stream, subject=settings.nats_subject,
+    relay = Relay(settings.engines, url=settings.nats_url or "", stream=settings.nats_stream, subject=settings.nats_subject,
                   replay_timeout_s=settings.replay_timeout_s, max_workers=settings.max_workers,
                   endpoint_policy=settings.endpoint_policy(), metrics_interval_s=settings.metrics_interval_s)
     discovery = None

@@ -16,7 +16,6 @@ fight over the GIL, and a single owner needs no locking around sequence state.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
@@ -27,6 +26,7 @@ from typing import Any, cast
 import msgspec
 import zmq
 
+from .background import Background
 from .engine_metrics import EngineLoad, MetricsScraper
 from .engines import EndpointPolicy, EngineConfig, as_config, offset_endpoint
 from .index import PrefixIndex
@@ -110,7 +110,7 @@ class _Sink:
         self.index.count(name)
 
 
-class Indexer(ZmqTransport):
+class Indexer(ZmqTransport, Background):
     """A :class:`PrefixIndex` fed live by ZMQ subscribers to a fleet of vLLM engines.
 
     Parameters
@@ -257,24 +257,6 @@ class Indexer(ZmqTransport):
         if self._wake_tx is not None:
             self._wake_tx.close(0)
             self._wake_tx = None
-
-    @property
-    def running(self) -> bool:
-        """True while the ingest thread is alive (False after ``stop()`` or a crash)."""
-        return self._thread is not None and self._thread.is_alive()
-
-    async def astart(self) -> None:
-        self.start()
-
-    async def astop(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.stop)
-
-    def __enter__(self) -> Indexer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def add_engine(self, engine: EngineConfig | dict[str, Any] | None = None, *, via: str = "library",
                    **fields: Any) -> EngineConfig:

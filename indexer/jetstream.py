@@ -37,6 +37,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from nats.js.object_store import ObjectStore
 
+from .background import Background
 from .engines import EngineConfig
 from .eventlog import (
     DEFAULT_BUCKET,
@@ -75,7 +76,7 @@ REPLICA_COUNTERS = ("messages", "applied", "duplicates", "gaps", "restarts", "re
                     "reloads", "stream_lost", "consumers")
 
 
-class JetStreamIngest:
+class JetStreamIngest(Background):
     """A :class:`PrefixIndex` fed from the relay's JetStream event log (a replica).
 
     It offers what the service uses of :class:`~.ingest.Indexer` (``start``, ``astop``,
@@ -164,23 +165,6 @@ class JetStreamIngest:
                 pass
         t.join(timeout)
         self._thread = None
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    async def astart(self) -> None:
-        self.start()
-
-    async def astop(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.stop)
-
-    def __enter__(self) -> JetStreamIngest:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     @property
     def lag(self) -> int:
