@@ -529,7 +529,8 @@ def _cmd_relay(args: argparse.Namespace) -> int:
     logging.config.dictConfig(cfg)
     log = logging.getLogger("kv_indexer.relay")
     _fd_limit(settings.max_workers)
-    relay = Relay(settings.engines, url=settings.nats_url or "", stream=settings.nats_stream, subject=settings.nats_subject,
+    url = settings.nats_url or ""  # needs_nats checked it is set
+    relay = Relay(settings.engines, url=url, stream=settings.nats_stream, subject=settings.nats_subject,
                   replay_timeout_s=settings.replay_timeout_s, max_workers=settings.max_workers,
                   endpoint_policy=settings.endpoint_policy(), metrics_interval_s=settings.metrics_interval_s)
     discovery = None
