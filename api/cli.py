@@ -324,6 +324,15 @@ def serve(settings: Settings) -> None:
     fleet = None
     index = None
     if settings.demo:
+        if settings.state_dir or settings.bootstrap_from:
+            # Its engines are new processes on new ports at every start: a snapshot of the
+            # last run's would name engines that are gone.
+            logging.getLogger("kv_indexer.demo").warning(
+                "demo: state_dir and bootstrap_from are ignored: the demo fleet is new (other ports, empty caches) "
+                "at every start")
+            import msgspec
+
+            settings = msgspec.structs.replace(settings, state_dir=None, bootstrap_from=None)
         settings, index, fleet = start_demo(settings)
     app = create_app(settings, index)
     try:

@@ -189,3 +189,13 @@ def test_the_demo_without_the_trace_serves_what_demo_prompt_prints(serve):
     s.stop()
     with open(s.log.name) as f:
         assert "replaying synthetic requests (no trace at /nonexistent/conversation_trace.jsonl)" in f.read()
+
+
+def test_R_DUR_2_the_demo_ignores_a_state_dir_and_says_why(serve, tmp_path):
+    """The demo's engines are new processes on new ports at every start: a snapshot of the
+    last run would name engines that are gone, so the demo starts without it, saying so."""
+    s = serve("--demo", "--state-dir", str(tmp_path), env={"KVI_TRACE": "/nonexistent/trace.jsonl"})
+    assert "state_dir and bootstrap_from are ignored" in s.output()
+    st, ws = s.client.get("/v1/workers")
+    assert st == 200 and len(ws) == 8
+    assert not (tmp_path / "index.snap").exists()
