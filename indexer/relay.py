@@ -3,7 +3,7 @@
 :class:`Relay` is an :class:`~.ingest.Indexer` whose sink publishes instead of applying:
 the transport and the sequencer are the same (gap repair by replay, restarts and
 continuity proven, R-STR-1..7), and every batch the sequencer decides to apply becomes
-one message of the stream (:func:`~.jetstream.headers`). Its own index only keeps the
+one message of the stream (:func:`~.eventlog.headers`). Its own index only keeps the
 workers' status (stale marks, counters), no residency.
 
 Order. Each worker has a lane: a bounded queue drained by one asyncio task that awaits
