@@ -1,12 +1,18 @@
-"""What an ingest with one background thread offers besides ``start``/``stop``: ``running``,
-the asyncio twins and the context manager (:class:`~.ingest.Indexer`, the JetStream
-replica :class:`~.jetstream.JetStreamIngest`)."""
+"""What both ingests (:class:`~.ingest.Indexer`, the JetStream replica
+:class:`~.jetstream.JetStreamIngest`) offer alike: besides ``start``/``stop``, ``running``,
+the asyncio twins and the context manager (:class:`Background`); the queries they
+forward to their index (:class:`Queries`)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .index import PrefixIndex
+    from .result import MatchResult
 
 
 class Background:
@@ -37,3 +43,31 @@ class Background:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class Queries:
+    """The index's queries, forwarded (a mixin over ``self.index`` and ``self.link``)."""
+
+    index: PrefixIndex
+    link: dict[tuple[str, int], tuple[bool, bool]]
+
+    def match(self, token_ids: Sequence[int], **kw: Any) -> MatchResult:
+        """Same as :meth:`PrefixIndex.match`."""
+        return self.index.match(token_ids, **kw)
+
+    def match_by_keys(self, keys: Sequence[int], **kw: Any) -> MatchResult:
+        """Same as :meth:`PrefixIndex.match_by_keys`."""
+        return self.index.match_by_keys(keys, **kw)
+
+    def route(self, token_ids: Sequence[int], **kw: Any) -> dict[str, Any]:
+        """:meth:`PrefixIndex.route` with what the transport knows: a worker that never
+        connected ranks last. Records the decision (``record=False``: a dry run)."""
+        kw.setdefault("link", self.link)
+        return self.index.route(token_ids, **kw)
+
+    def route_done(self, request_id: str) -> bool | None:
+        """Same as :meth:`PrefixIndex.route_done`."""
+        return self.index.route_done(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        return self.index.stats()

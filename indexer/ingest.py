@@ -20,17 +20,16 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, cast
 
 import msgspec
 import zmq
 
-from .background import Background
+from .background import Background, Queries
 from .engine_metrics import EngineLoad, MetricsScraper
 from .engines import EndpointPolicy, EngineConfig, as_config, offset_endpoint
 from .index import PrefixIndex
-from .result import MatchResult
 from .sequencer import Stream
 from .snapshot import Snapshot, dumps
 from .transport import Sub, ZmqTransport
@@ -110,7 +109,7 @@ class _Sink:
         self.index.count(name)
 
 
-class Indexer(ZmqTransport, Background):
+class Indexer(ZmqTransport, Background, Queries):
     """A :class:`PrefixIndex` fed live by ZMQ subscribers to a fleet of vLLM engines.
 
     Parameters
@@ -290,26 +289,6 @@ class Indexer(ZmqTransport, Background):
 
     def engines(self) -> list[EngineConfig]:
         return list(self._engines.values())
-
-    def match(self, token_ids: Sequence[int], **kw: Any) -> MatchResult:
-        """Same as :meth:`PrefixIndex.match`."""
-        return self.index.match(token_ids, **kw)
-
-    def match_by_keys(self, keys: Sequence[int], **kw: Any) -> MatchResult:
-        return self.index.match_by_keys(keys, **kw)
-
-    def route(self, token_ids: Sequence[int], **kw: Any) -> dict[str, Any]:
-        """:meth:`PrefixIndex.route` with what the transport knows: a worker that never
-        connected ranks last. Records the decision (``record=False``: a dry run)."""
-        kw.setdefault("link", self.link)
-        return self.index.route(token_ids, **kw)
-
-    def route_done(self, request_id: str) -> bool | None:
-        """Same as :meth:`PrefixIndex.route_done`."""
-        return self.index.route_done(request_id)
-
-    def stats(self) -> dict[str, Any]:
-        return self.index.stats()
 
     def workers(self) -> list[dict[str, Any]]:
         """Per-worker status: the index's freshness, sizes and drop counters plus the

@@ -26,7 +26,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable
 from typing import Any
 
 import nats
@@ -37,7 +37,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from nats.js.object_store import ObjectStore
 
-from .background import Background
+from .background import Background, Queries
 from .engines import EngineConfig
 from .eventlog import (
     DEFAULT_BUCKET,
@@ -59,7 +59,6 @@ from .eventlog import (
     object_store,
 )
 from .index import PrefixIndex
-from .result import MatchResult
 from .sequencer import GAP, RESTART, classify, peek_ts
 
 __all__ = ["JetStreamIngest"]
@@ -76,7 +75,7 @@ REPLICA_COUNTERS = ("messages", "applied", "duplicates", "gaps", "restarts", "re
                     "reloads", "stream_lost", "consumers")
 
 
-class JetStreamIngest(Background):
+class JetStreamIngest(Background, Queries):
     """A :class:`PrefixIndex` fed from the relay's JetStream event log (a replica).
 
     It offers what the service uses of :class:`~.ingest.Indexer` (``start``, ``astop``,
@@ -184,22 +183,6 @@ class JetStreamIngest(Background):
 
     def resync(self, engine_id: str) -> None:
         raise ValueError(REPLICA_REFUSES)
-
-    def match(self, token_ids: Sequence[int], **kw: Any) -> MatchResult:
-        return self.index.match(token_ids, **kw)
-
-    def match_by_keys(self, keys: Sequence[int], **kw: Any) -> MatchResult:
-        return self.index.match_by_keys(keys, **kw)
-
-    def route(self, token_ids: Sequence[int], **kw: Any) -> dict[str, Any]:
-        kw.setdefault("link", self.link)
-        return self.index.route(token_ids, **kw)
-
-    def route_done(self, request_id: str) -> bool | None:
-        return self.index.route_done(request_id)
-
-    def stats(self) -> dict[str, Any]:
-        return self.index.stats()
 
     def workers(self) -> list[dict[str, Any]]:
         """The index's workers, each with its health and what the log carried of it."""

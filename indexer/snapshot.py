@@ -44,7 +44,7 @@ from msgspec import Struct
 
 from ._compiled import core as _core
 from .state import _WG, _Model, _Worker
-from .tree import Kids, Node, Tree
+from .tree import Kids, Node, Tree, link_child
 from .wire import decode_stored, encode_stored
 
 if TYPE_CHECKING:
@@ -402,19 +402,12 @@ def _py_load_tree(root: Node, parents: bytes, keys: bytes, mask_ids: bytes, mask
     if not len(par) == len(ks) == len(mids):
         raise ValueError("tree columns of different lengths")
     n = len(nodes)
-    kids: Any
     for p, k, mi in zip(par, ks, mids):
         if p >= n:
             raise ValueError(f"node {n} names parent {p}, not created before it")
         parent = nodes[p]
         node = Node(k, parent, None, masks[mi])
-        kids = parent.kids
-        if kids is None:
-            parent.kids = node
-        elif kids.__class__ is Kids:
-            kids[k] = node
-        else:
-            parent.kids = Kids(((kids.key, kids), (k, node)))
+        link_child(parent, k, node)
         append(node)
         n += 1
     return nodes

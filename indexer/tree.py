@@ -37,7 +37,8 @@ from msgspec import Struct
 from ._compiled import COMPILED
 from ._compiled import core as _core
 
-__all__ = ["Node", "Tree", "DEAD", "MAX_TIERS", "Kids", "COMPILED", "dup_add", "insert_gpu", "remove_gpu", "walk"]
+__all__ = ["Node", "Tree", "DEAD", "MAX_TIERS", "Kids", "COMPILED", "dup_add", "insert_gpu", "link_child", "remove_gpu",
+           "walk"]
 
 # Tier ids are packed into 5 bits of the ``dup`` keys.
 MAX_TIERS = 32
@@ -190,6 +191,17 @@ else:
     remove_gpu = None
 
 
+def link_child(parent: Node, key: int, node: Node) -> None:
+    """Put ``node`` under ``parent`` as its child keyed ``key`` (absent until now)."""
+    kids: Any = parent.kids  # None, a Node or a Kids map (see _py_insert_gpu)
+    if kids is None:
+        parent.kids = node
+    elif kids.__class__ is Kids:
+        kids[key] = node
+    else:
+        parent.kids = Kids(((kids.key, kids), (key, node)))
+
+
 class Tree:
     """One prefix tree: a root, a node count and, with a node cap, store order."""
 
@@ -265,13 +277,7 @@ class Tree:
     def add_child(self, parent: Node, key: int) -> Node:
         """Create and link a new child of ``parent``; the caller checked it is absent."""
         node = Node(key, parent)
-        kids: Any = parent.kids  # None, a Node or a Kids map (see _py_insert_gpu)
-        if kids is None:
-            parent.kids = node
-        elif kids.__class__ is Kids:
-            kids[key] = node
-        else:
-            parent.kids = Kids(((kids.key, kids), (key, node)))
+        link_child(parent, key, node)
         self.nodes += 1
         return node
 

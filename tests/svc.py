@@ -23,29 +23,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Server:
-    """``kv-indexer serve`` as a child process; ``stop()`` ends it (the fixtures do)."""
+class Child:
+    """A ``kv-indexer`` command as a child process, its output in ``log``; ``stop()`` ends it
+    (SIGTERM, then SIGKILL after 10 s) and closes the log."""
 
-    def __init__(self, *args: str, env: dict | None = None, preexec_fn=None) -> None:
-        self.port = free_port()
-        # Open for the child's lifetime; stop() closes it.
-        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"kvi-serve-{self.port}.log", "w+")  # noqa: SIM115
-        cmd = [sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})},
-                                     stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
-        deadline = time.monotonic() + 30
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kv-indexer serve exited {self.proc.returncode}: {self.output()}")
-            try:
-                if Client(self.port).get("/healthz")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"kv-indexer serve did not answer: {self.output()}")
-            time.sleep(0.05)
-        self.client = Client(self.port)
+    def __init__(self, cmd: list[str], log_path: Path, env: dict | None = None, preexec_fn=None) -> None:
+        self.log = open(log_path, "w+")  # noqa: SIM115 - open for the child's lifetime; stop() closes it
+        self.proc = subprocess.Popen([sys.executable, "-m", "api.cli", *cmd], cwd=ROOT,
+                                     env={**os.environ, **(env or {})}, stdout=self.log, stderr=subprocess.STDOUT,
+                                     preexec_fn=preexec_fn)
 
     def output(self) -> str:
         self.log.flush()
@@ -61,6 +47,28 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+class Server(Child):
+    """``kv-indexer serve`` as a child process, answering /healthz once built."""
+
+    def __init__(self, *args: str, env: dict | None = None, preexec_fn=None) -> None:
+        self.port = free_port()
+        super().__init__(["serve", "--host", "127.0.0.1", "--port", str(self.port), *args],
+                         Path(os.environ.get("TMPDIR", "/tmp")) / f"kvi-serve-{self.port}.log", env, preexec_fn)
+        deadline = time.monotonic() + 30
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kv-indexer serve exited {self.proc.returncode}: {self.output()}")
+            try:
+                if Client(self.port).get("/healthz")[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"kv-indexer serve did not answer: {self.output()}")
+            time.sleep(0.05)
+        self.client = Client(self.port)
 
 
 class Client:

@@ -36,7 +36,7 @@ from indexer.producer.events import encode_batch
 from indexer.producer.publisher import VllmPublisher
 from indexer.relay import Relay
 from natsd import NatsServer, free_port
-from svc import ROOT, sample, wait_until
+from svc import ROOT, Child, sample, wait_until
 from test_ingest import Rec, answers, reference, two_bases
 
 BS = 4
@@ -118,34 +118,18 @@ class Traffic:
         self._thread.join(5)
 
 
-class RelayProc:
+class RelayProc(Child):
     """``kv-indexer relay`` as a child process (really killed by :meth:`kill`)."""
 
     def __init__(self, url: str, fleet: Fleet, log: Path) -> None:
-        cmd = [sys.executable, "-m", "api.cli", "relay", "--nats", url, "--log-level", "info"]
+        cmd = ["relay", "--nats", url, "--log-level", "info"]
         for s in fleet.specs():
             cmd += ["--engine", s]
-        self.logf = open(log, "w+")  # noqa: SIM115 - closed by stop()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.logf, stderr=subprocess.STDOUT)
-
-    def output(self) -> str:
-        self.logf.flush()
-        self.logf.seek(0)
-        return self.logf.read()
+        super().__init__(cmd, log)
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.logf.close()
 
 
 def js_call(url: str, fn):
