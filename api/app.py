@@ -127,6 +127,14 @@ class Service:
         """The index and the engine registry as snapshot bytes (GET /v1/snapshot, the state dir)."""
         return cast(bytes, self.ingest.snapshot())
 
+    def state_version(self) -> tuple[int, ...]:
+        """Changes whenever a snapshot would differ: batches applied or dropped, workers'
+        stale marks and restarts, engines registered or removed (counters only, no lock)."""
+        ix = self.index
+        return (ix.counter("batches_applied"), ix.counter("stale_marked"), ix.counter("stale_cleared"),
+                ix.counter("restarts"), sum(self.ingest.changes.values()), len(ix._workers),
+                sum(ix._dropped.values()))
+
     # ------------------------------------------------------------- transport
 
     async def serve_json(self, route: _Route, scope: MutableMapping[str, Any], receive: Callable) -> tuple[int, bytes]:
@@ -475,7 +483,7 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
                         settings.port)
         svc.ingest.start()
         if hasattr(svc.ingest, "snapshot"):
-            svc.state.start(svc.snapshot)
+            svc.state.start(svc.snapshot, svc.state_version)
         if svc.discovery is not None:
             svc.discovery.start()
         log.info("kv-indexer ready: %d engine(s) configured%s", len(settings.engines),

@@ -44,6 +44,8 @@ class StateKeeper:
         self.path = os.path.join(settings.state_dir, FILE) if settings.state_dir else None
         self.interval_s = settings.snapshot_interval_s
         self.dump: Callable[[], bytes] | None = None
+        self.version: Callable[[], object] | None = None
+        self._written: object = None  # version() at the last write
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._write_lock = threading.Lock()  # the periodic and the final write never overlap
@@ -133,9 +135,12 @@ class StateKeeper:
 
     # ------------------------------------------------------------- running
 
-    def start(self, dump: Callable[[], bytes]) -> None:
-        """Write the snapshot every ``snapshot_interval_s`` (with a state dir and an interval)."""
+    def start(self, dump: Callable[[], bytes], version: Callable[[], object] | None = None) -> None:
+        """Write the snapshot every ``snapshot_interval_s`` (with a state dir and an interval).
+        ``version()`` changes whenever the state may have: an interval where it did not
+        skips the write (and the index lock it would hold)."""
         self.dump = dump
+        self.version = version
         if self.path is None or self.interval_s <= 0 or self._thread is not None:
             return
         self._thread = threading.Thread(target=self._loop, name="kvidx-snapshot", daemon=True)
@@ -143,6 +148,9 @@ class StateKeeper:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
+            if self.version is not None and self.writes.get("ok") and self.version() == self._written:
+                self.writes["unchanged"] = self.writes.get("unchanged", 0) + 1
+                continue
             self.write()
 
     def write(self) -> bool:
@@ -152,6 +160,7 @@ class StateKeeper:
         with self._write_lock:
             try:
                 t0 = time.perf_counter()
+                v = self.version() if self.version is not None else None  # before the cut: never newer
                 data = self.dump()
                 t1 = time.perf_counter()
                 write_atomic(self.path, data)
@@ -161,6 +170,7 @@ class StateKeeper:
                 self.writes["error"] = self.writes.get("error", 0) + 1
                 return False
             self.writes["ok"] = self.writes.get("ok", 0) + 1
+            self._written = v
             self.last_bytes, self.last_dump_s, self.last_write_s = len(data), t1 - t0, t2 - t1
             self.last_ok_unix = time.time()
             return True
@@ -191,9 +201,9 @@ class StateCollector:
         for (source, outcome, reason), n in sorted(k.loads.items()):
             ld.add_metric([source, outcome, reason], n)
         yield ld
-        wr = CounterMetricFamily("kvi_snapshot_writes", "Snapshots written to the state dir, by outcome.",
-                                 labels=["outcome"])
-        for outcome in ("ok", "error"):
+        wr = CounterMetricFamily("kvi_snapshot_writes", "Snapshots written to the state dir, by outcome (ok, error; "
+                                 "unchanged: an interval with nothing new, not written).", labels=["outcome"])
+        for outcome in ("ok", "error", "unchanged"):
             wr.add_metric([outcome], k.writes.get(outcome, 0))
         yield wr
         yield GaugeMetricFamily("kvi_snapshot_bytes", "Size of the last snapshot written.", value=k.last_bytes)

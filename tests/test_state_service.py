@@ -356,3 +356,25 @@ def test_R_DUR_1_get_snapshot_is_the_documented_file(flow, servers):
     assert r.status == 200 and r.getheader("content-type") == "application/octet-stream"
     assert data[:8] == b"KVISNAP\0" and int.from_bytes(data[8:12], "big") == 1
     assert int.from_bytes(data[16:24], "big") == len(data) - 32
+
+
+def test_R_DUR_1_an_interval_with_nothing_new_writes_nothing(flow, servers, tmp_path):
+    """The periodic snapshot holds the index lock while it reads: an interval where no
+    batch, mark or registration changed anything skips it (counted as unchanged)."""
+    svc = servers("--state-dir", str(tmp_path), "--snapshot-interval-s", "0.2")
+
+    def writes(outcome):
+        return sample(svc.client.metrics(), "kvi_snapshot_writes_total", outcome=outcome)
+
+    wait_for(lambda: writes("unchanged") >= 3, what="idle intervals skipped")
+    assert writes("ok") == 1  # the first one is always written
+    _register(svc.client, flow)
+    time.sleep(0.3)
+    for _ in range(5):  # both engines publish (the flow's seeded choice), so both can catch up
+        flow.step()
+    _caught_up(svc.client, flow)
+    wait_for(lambda: writes("ok") >= 2, what="a write after a change")
+    time.sleep(0.5)  # the interval after the last batch writes it (a write mid-flow may not have)
+    ok = writes("ok")
+    time.sleep(1.0)
+    assert writes("ok") == ok  # nothing new since: skipped again
