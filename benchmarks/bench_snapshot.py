@@ -302,7 +302,7 @@ def child_build(spec: dict) -> dict:
         size = len(data)
         del data
     return {"compiled": COMPILED, "twins": {n: getattr(snapshot, n).__module__ or "builtin"
-                                             for n in ("dump_tree", "dump_map", "load_tree", "load_map")},
+                                             for n in ("dump_tree", "dump_map", "node_index", "translate", "load_tree", "load_map")},
             "build_s": build_s, "rss_build": rss_build, "stats": {k: st[k] for k in ("nodes", "resident_entries")},
             "bytes": size, "lock_s": spread(lock_s), "dumps_s": spread(dumps_s), "write_s": spread(total_s),
             "answers": {k: [(w["engine"], w["total_blocks"]) for w in v["workers"]] for k, v in want.items()}}
@@ -431,7 +431,7 @@ def rs(r: dict) -> str:
 
 def report(results: list[dict], args) -> str:
     tw = results[0]["ours"]["twins"]
-    out = [f"# snapshot loops (dump_tree, dump_map, load_tree, load_map) from: "
+    out = [f"# snapshot loops (dump_tree, dump_map, node_index, translate, load_tree, load_map) from: "
            f"{', '.join(sorted(set(tw.values())))}"]
     rows = []
     for x in results:

@@ -1601,14 +1601,14 @@ get_le64(const unsigned char *p)
     return v;
 }
 
-/* NodeIndex: node (by identity) -> uint32 index, what dump_tree's walk met.
- * Open addressing over the node pointers, 16-byte slots, load at most 3/4: at
- * 10^7 nodes a few hundred MB less than a dict of int objects. Holds a
- * reference to each node (as the pure twin's dict does), so an index is never
- * answered for a freed node whose address was reused. */
+/* NodeIndex: a node's address -> its uint32 index in a dumped tree (node_index).
+ * The addresses are what dump_tree and dump_map read under the index lock; the
+ * table is built and asked after it, so it holds no node and reads none: only
+ * integers. Open addressing, 16-byte slots, load at most 3/4: at 10^7 nodes a
+ * few hundred MB less than a dict of int objects. */
 
 typedef struct {
-    PyObject *node; /* NULL: empty slot */
+    uint64_t addr; /* 0: empty slot (no object lives at address 0) */
     uint32_t idx;
 } IdxSlot;
 
@@ -1623,104 +1623,75 @@ static PyTypeObject NodeIndexType;
 
 /* Nodes are 64-byte objects and a tree's chains are mostly allocated in a row:
  * four neighbours in memory (one 256-byte span) hash to one 64-byte line of four
- * slots, so a preorder walk misses the cache about once per line, not per node.
+ * slots, so a preorder fill misses the cache about once per line, not per node.
  * The lines themselves are spread by mix64. */
 static inline size_t
-ptr_slot(const void *p, size_t mask)
+ptr_slot(uint64_t a, size_t mask)
 {
-    uintptr_t a = (uintptr_t)p;
-    return (size_t)((mix64((uint64_t)(a >> 8)) << 2) | ((a >> 6) & 3)) & mask;
+    return (size_t)((mix64(a >> 8) << 2) | ((a >> 6) & 3)) & mask;
 }
 
-/* The slot of `node`, or -1. Runs no Python code. */
+/* The slot of `addr`, or -1. */
 static inline Py_ssize_t
-nidx_find(NodeIndex *w, const PyObject *node)
+nidx_find(NodeIndex *w, uint64_t addr)
 {
-    if (w->cap == 0)
+    if (w->cap == 0 || addr == 0)
         return -1;
     size_t mask = (size_t)w->cap - 1;
-    size_t i = ptr_slot(node, mask);
+    size_t i = ptr_slot(addr, mask);
     for (;;) {
         IdxSlot *s = &w->slots[i];
-        if (s->node == NULL)
+        if (s->addr == 0)
             return -1;
-        if (s->node == node)
+        if (s->addr == addr)
             return (Py_ssize_t)i;
         i = (i + 1) & mask;
     }
 }
 
-static int
-nidx_resize(NodeIndex *w, Py_ssize_t newcap)
+static NodeIndex *
+nidx_new(Py_ssize_t n)
 {
-    IdxSlot *ns = PyMem_Calloc((size_t)newcap, sizeof(IdxSlot));
-    if (ns == NULL) {
+    Py_ssize_t cap = 64;
+    while (n * 4 > cap * 3)
+        cap *= 2;
+    NodeIndex *w = PyObject_New(NodeIndex, &NodeIndexType);
+    if (w == NULL)
+        return NULL;
+    w->slots = PyMem_Calloc((size_t)cap, sizeof(IdxSlot));
+    w->cap = cap;
+    w->used = 0;
+    if (w->slots == NULL) {
+        w->cap = 0;
+        Py_DECREF(w);
         PyErr_NoMemory();
-        return -1;
+        return NULL;
     }
-    size_t mask = (size_t)newcap - 1;
-    for (Py_ssize_t j = 0; j < w->cap; j++) {
-        IdxSlot *s = &w->slots[j];
-        if (s->node == NULL)
-            continue;
-        size_t i = ptr_slot(s->node, mask);
-        while (ns[i].node != NULL)
-            i = (i + 1) & mask;
-        ns[i] = *s;
-    }
-    PyMem_Free(w->slots);
-    w->slots = ns;
-    w->cap = newcap;
-    return 0;
+    return w;
 }
 
-/* Add node -> idx, stealing the caller's reference to `node`. 1: added; 0:
- * already there (nothing changed, the reference released); -1: error (the
- * reference released). */
+/* Add addr -> idx (the table is sized for every address already). 1: added; 0: the
+ * address is there already. */
 static int
-nidx_add(NodeIndex *w, PyObject *node, uint32_t idx)
+nidx_add(NodeIndex *w, uint64_t addr, uint32_t idx)
 {
-    if ((w->used + 1) * 4 > w->cap * 3 && nidx_resize(w, w->cap ? w->cap * 2 : 64) < 0) {
-        Py_DECREF(node);
-        return -1;
-    }
     size_t mask = (size_t)w->cap - 1;
-    size_t i = ptr_slot(node, mask);
-    while (w->slots[i].node != NULL) {
-        if (w->slots[i].node == node) {
-            Py_DECREF(node);
+    size_t i = ptr_slot(addr, mask);
+    while (w->slots[i].addr != 0) {
+        if (w->slots[i].addr == addr)
             return 0;
-        }
         i = (i + 1) & mask;
     }
-    w->slots[i].node = node;
+    w->slots[i].addr = addr;
     w->slots[i].idx = idx;
     w->used++;
     return 1;
 }
 
-static NodeIndex *
-nidx_new(void)
-{
-    NodeIndex *w = PyObject_New(NodeIndex, &NodeIndexType);
-    if (w == NULL)
-        return NULL;
-    w->slots = NULL;
-    w->cap = 0;
-    w->used = 0;
-    return w;
-}
-
 static void
 NodeIndex_dealloc(NodeIndex *w)
 {
-    IdxSlot *slots = w->slots;
-    Py_ssize_t cap = w->cap;
-    w->slots = NULL;
-    w->cap = w->used = 0;
-    for (Py_ssize_t j = 0; j < cap; j++)
-        Py_XDECREF(slots[j].node);
-    PyMem_Free(slots);
+    PyMem_Free(w->slots);
     PyObject_Free(w);
 }
 
@@ -1730,6 +1701,24 @@ NodeIndex_length(NodeIndex *w)
     return w->used;
 }
 
+/* An address from Python: an int in [0, 2**64); -1 with an error otherwise. */
+static int
+addr_of(PyObject *o, uint64_t *out)
+{
+    if (!PyLong_Check(o)) {
+        PyErr_SetString(PyExc_TypeError, "a node's address is an int");
+        return -1;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        *out = 0; /* negative or too large: no node lives there */
+        return 0;
+    }
+    *out = (uint64_t)v;
+    return 0;
+}
+
 static PyObject *
 NodeIndex_get(NodeIndex *w, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1737,7 +1726,10 @@ NodeIndex_get(NodeIndex *w, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "get() takes 1 or 2 arguments");
         return NULL;
     }
-    Py_ssize_t i = nidx_find(w, args[0]);
+    uint64_t a;
+    if (addr_of(args[0], &a) < 0)
+        return NULL;
+    Py_ssize_t i = nidx_find(w, a);
     if (i < 0) {
         PyObject *d = nargs == 2 ? args[1] : Py_None;
         Py_INCREF(d);
@@ -1747,9 +1739,12 @@ NodeIndex_get(NodeIndex *w, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static int
-NodeIndex_contains(NodeIndex *w, PyObject *node)
+NodeIndex_contains(NodeIndex *w, PyObject *o)
 {
-    return nidx_find(w, node) >= 0;
+    uint64_t a;
+    if (addr_of(o, &a) < 0)
+        return -1;
+    return nidx_find(w, a) >= 0;
 }
 
 static PyObject *
@@ -1759,7 +1754,8 @@ NodeIndex_sizeof(NodeIndex *w, PyObject *Py_UNUSED(ignored))
 }
 
 static PyMethodDef NodeIndex_methods[] = {
-    {"get", (PyCFunction)(void (*)(void))NodeIndex_get, METH_FASTCALL, "get(node, default=None): the node's index"},
+    {"get", (PyCFunction)(void (*)(void))NodeIndex_get, METH_FASTCALL,
+     "get(address, default=None): the index of the node at that address"},
     {"__sizeof__", (PyCFunction)NodeIndex_sizeof, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
@@ -1875,13 +1871,13 @@ col_room(Col *c, size_t more)
 }
 
 PyDoc_STRVAR(dump_tree_doc,
-"dump_tree(root) -> (parents, keys, mask_ids, masks, extra, where)\n\n"
+"dump_tree(root) -> (parents, keys, mask_ids, masks, extra, addrs)\n\n"
 "Walk one tree in preorder (iterative; node 0 is the root): the little-endian\n"
 "uint32 parent indices, uint64 keys and uint32 GPU-mask ids of every node but the\n"
 "root, the distinct GPU masks in order of first use, (index, node) of the nodes\n"
-"with tiers or dups, and `where`, a NodeIndex: node -> index for every node met.\n"
-"Read-only; a node met twice (not a tree) is a ValueError. Same bytes as\n"
-"snapshot._py_dump_tree.");
+"with tiers or dups, and `addrs`: the uint64 address of every node, the root\n"
+"first (node_index turns them into an address -> index table, after the lock).\n"
+"Read-only. Same bytes as snapshot._py_dump_tree (which uses id()).");
 
 static PyObject *
 dump_tree(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
@@ -1892,56 +1888,59 @@ dump_tree(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
     }
     Node *root = (Node *)args[0];
     Stack stack = {NULL, 0, 0};
-    Col par = {NULL, 0, 0}, keys = {NULL, 0, 0}, mids = {NULL, 0, 0};
+    Col par = {NULL, 0, 0}, keys = {NULL, 0, 0}, mids = {NULL, 0, 0}, addrs = {NULL, 0, 0};
     PyObject *mask_ids = PyDict_New(), *masks = PyList_New(0), *extra = PyList_New(0);
     PyObject *last_mask = NULL; /* a strong reference: the mask whose id is last_mid */
     uint32_t last_mid = 0;
-    PyObject *cols[3] = {NULL, NULL, NULL};
-    NodeIndex *where = nidx_new();
-    if (where == NULL || mask_ids == NULL || masks == NULL || extra == NULL)
+    PyObject *cols[4] = {NULL, NULL, NULL, NULL};
+    if (mask_ids == NULL || masks == NULL || extra == NULL)
         goto fail;
-    Py_INCREF(root);
-    if (nidx_add(where, (PyObject *)root, 0) < 0 || push_kids(&stack, root, 0) < 0)
+    if (col_room(&addrs, 8) < 0 || push_kids(&stack, root, 0) < 0)
         goto fail;
+    put_le64(addrs.buf, (uint64_t)(uintptr_t)root);
+    addrs.len = 8;
     uint32_t i = 0;
     while (stack.n) {
         Frame f = stack.items[--stack.n];
-        Node *node = (Node *)f.node;
+        Node *node = (Node *)f.node; /* the stack's reference, released below */
         if (i == UINT32_MAX) {
             Py_DECREF(node);
             PyErr_SetString(PyExc_OverflowError, "more than 2**32 - 1 nodes in one tree");
             goto fail;
         }
         i++;
-        int r = nidx_add(where, (PyObject *)node, i); /* takes the stack's reference */
-        if (r <= 0) {
-            if (r == 0)
-                PyErr_SetString(PyExc_ValueError, "dump_tree: a node met twice (not a tree)");
+        if (col_room(&par, 4) < 0 || col_room(&keys, 8) < 0 || col_room(&mids, 4) < 0 || col_room(&addrs, 8) < 0) {
+            Py_DECREF(node);
             goto fail;
         }
-        /* `node` stays alive: `where` holds it. */
-        if (col_room(&par, 4) < 0 || col_room(&keys, 8) < 0 || col_room(&mids, 4) < 0)
-            goto fail;
         put_le32(par.buf + par.len, f.parent);
         par.len += 4;
         put_le64(keys.buf + keys.len, node->key);
         keys.len += 8;
+        put_le64(addrs.buf + addrs.len, (uint64_t)(uintptr_t)node);
+        addrs.len += 8;
         PyObject *m = node->gpu;
         if (m != last_mask) {
             PyObject *v = PyDict_GetItemWithError(mask_ids, m);
             if (v != NULL)
                 last_mid = (uint32_t)PyLong_AsUnsignedLong(v); /* an id this loop made */
             else {
-                if (PyErr_Occurred())
+                if (PyErr_Occurred()) {
+                    Py_DECREF(node);
                     goto fail;
+                }
                 Py_ssize_t nm = PyList_GET_SIZE(masks);
                 PyObject *id = PyLong_FromSsize_t(nm);
-                if (id == NULL)
+                if (id == NULL) {
+                    Py_DECREF(node);
                     goto fail;
+                }
                 int e = PyDict_SetItem(mask_ids, m, id);
                 Py_DECREF(id);
-                if (e < 0 || PyList_Append(masks, m) < 0)
+                if (e < 0 || PyList_Append(masks, m) < 0) {
+                    Py_DECREF(node);
                     goto fail;
+                }
                 last_mid = (uint32_t)nm;
             }
             Py_INCREF(m);
@@ -1953,39 +1952,37 @@ dump_tree(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
             PyObject *t = Py_BuildValue("(kO)", (unsigned long)i, (PyObject *)node);
             if (t == NULL || PyList_Append(extra, t) < 0) {
                 Py_XDECREF(t);
+                Py_DECREF(node);
                 goto fail;
             }
             Py_DECREF(t);
         }
-        if (push_kids(&stack, node, i) < 0)
+        int r = push_kids(&stack, node, i);
+        Py_DECREF(node);
+        if (r < 0)
             goto fail;
-        if (stack.n) {
-            /* The next node and its slot in `where` are the walk's cache misses:
-             * start both loads now. */
-            PyObject *next = stack.items[stack.n - 1].node;
-            __builtin_prefetch(next);
-            __builtin_prefetch(&where->slots[ptr_slot(next, (size_t)where->cap - 1)], 1);
-        }
+        if (stack.n)
+            __builtin_prefetch(stack.items[stack.n - 1].node); /* the walk's cache miss: start it now */
     }
     cols[0] = PyBytes_FromStringAndSize((const char *)par.buf, (Py_ssize_t)par.len);
     cols[1] = PyBytes_FromStringAndSize((const char *)keys.buf, (Py_ssize_t)keys.len);
     cols[2] = PyBytes_FromStringAndSize((const char *)mids.buf, (Py_ssize_t)mids.len);
-    if (cols[0] == NULL || cols[1] == NULL || cols[2] == NULL)
+    cols[3] = PyBytes_FromStringAndSize((const char *)addrs.buf, (Py_ssize_t)addrs.len);
+    if (cols[0] == NULL || cols[1] == NULL || cols[2] == NULL || cols[3] == NULL)
         goto fail;
-    PyObject *out = PyTuple_Pack(6, cols[0], cols[1], cols[2], masks, extra, (PyObject *)where);
+    PyObject *out = PyTuple_Pack(6, cols[0], cols[1], cols[2], masks, extra, cols[3]);
     if (out == NULL)
         goto fail;
-    Py_DECREF(cols[0]);
-    Py_DECREF(cols[1]);
-    Py_DECREF(cols[2]);
+    for (int j = 0; j < 4; j++)
+        Py_DECREF(cols[j]);
     Py_DECREF(masks);
     Py_DECREF(extra);
-    Py_DECREF(where);
     Py_DECREF(mask_ids);
     Py_XDECREF(last_mask);
     PyMem_Free(par.buf);
     PyMem_Free(keys.buf);
     PyMem_Free(mids.buf);
+    PyMem_Free(addrs.buf);
     PyMem_Free(stack.items);
     return out;
 fail:
@@ -1995,13 +1992,13 @@ fail:
     PyMem_Free(par.buf);
     PyMem_Free(keys.buf);
     PyMem_Free(mids.buf);
-    for (int j = 0; j < 3; j++)
+    PyMem_Free(addrs.buf);
+    for (int j = 0; j < 4; j++)
         Py_XDECREF(cols[j]);
     Py_XDECREF(last_mask);
     Py_XDECREF(mask_ids);
     Py_XDECREF(masks);
     Py_XDECREF(extra);
-    Py_XDECREF(where);
     return NULL;
 }
 
@@ -2018,119 +2015,168 @@ other_append(PyObject *other, PyObject *h, PyObject *i)
 }
 
 PyDoc_STRVAR(dump_map_doc,
-"dump_map(wmap, where) -> (hashes, idx, other)\n\n"
-"A worker's engine-hash map (a U64Map) as little-endian uint64 hashes and uint32\n"
-"node indices (from `where`, dump_tree's NodeIndex), in the map's order; `other`\n"
-"gets (hash, index) of the entries whose hash is not an int in [0, 2**64).\n"
-"Entries whose node `where` does not know are left out. Any other `where` is\n"
-"asked through its get(). Read-only. Same bytes as snapshot._py_dump_map.");
+"dump_map(wmap) -> (hashes, addrs, other)\n\n"
+"A worker's engine-hash map (a U64Map) as little-endian uint64 hashes and the\n"
+"uint64 addresses of their nodes, in the map's order; `other` gets (hash,\n"
+"address) of the entries whose hash is not an int in [0, 2**64). Reads the map's\n"
+"table only, never a node: the cheap half under the index lock (translate does\n"
+"the rest after it). Same as snapshot._py_dump_map.");
 
 static PyObject *
 dump_map(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2 || !IS_MAP(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "dump_map(U64Map, where)");
+    if (nargs != 1 || !IS_MAP(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "dump_map(U64Map)");
         return NULL;
     }
     U64Map *m = (U64Map *)args[0];
-    NodeIndex *wi = Py_TYPE(args[1]) == &NodeIndexType ? (NodeIndex *)args[1] : NULL;
-    PyObject *get = NULL, *items = NULL, *hb = NULL, *ib = NULL, *other = NULL;
-    Py_ssize_t cap, n = 0;
-    if (wi == NULL) {
-        /* Any mapping (a dict, say): Python code runs, so walk a snapshot of the items. */
-        get = PyObject_GetAttrString(args[1], "get");
-        if (get == NULL || (items = map_list(m, 2)) == NULL)
-            goto fail;
-        cap = PyList_GET_SIZE(items);
-    }
-    else {
-        if (m->other != NULL && (items = PyDict_Items(m->other)) == NULL)
-            goto fail;
-        cap = m->used + (items == NULL ? 0 : PyList_GET_SIZE(items));
-    }
-    hb = PyBytes_FromStringAndSize(NULL, cap * 8);
-    ib = PyBytes_FromStringAndSize(NULL, cap * 4);
-    other = PyList_New(0);
-    if (hb == NULL || ib == NULL || other == NULL)
+    PyObject *items = NULL, *hb = NULL, *ab = NULL, *other = NULL;
+    Py_ssize_t n = 0;
+    if (m->other != NULL && (items = PyDict_Items(m->other)) == NULL)
         goto fail;
-    unsigned char *hp = (unsigned char *)PyBytes_AS_STRING(hb), *ip = (unsigned char *)PyBytes_AS_STRING(ib);
-    if (wi != NULL) {
-        /* The table: nothing here runs Python code or allocates. The lookups are
-         * random reads of `where`: each slot's is prefetched PREFETCH slots ahead. */
-        size_t wmask = (size_t)wi->cap - 1;
-        enum { PREFETCH = 16 };
-        for (Py_ssize_t j = 0; j < m->cap; j++) {
-            if (j + PREFETCH < m->cap && m->slots[j + PREFETCH].val != NULL && wi->cap)
-                __builtin_prefetch(&wi->slots[ptr_slot(m->slots[j + PREFETCH].val, wmask)]);
-            Slot *s = &m->slots[j];
-            if (s->val == NULL)
-                continue;
-            Py_ssize_t k = nidx_find(wi, s->val);
-            if (k < 0)
-                continue;
-            put_le64(hp + n * 8, s->key);
-            put_le32(ip + n * 4, wi->slots[k].idx);
-            n++;
-        }
+    hb = PyBytes_FromStringAndSize(NULL, m->used * 8);
+    ab = PyBytes_FromStringAndSize(NULL, m->used * 8);
+    other = PyList_New(0);
+    if (hb == NULL || ab == NULL || other == NULL)
+        goto fail;
+    unsigned char *hp = (unsigned char *)PyBytes_AS_STRING(hb), *ap = (unsigned char *)PyBytes_AS_STRING(ab);
+    for (Py_ssize_t j = 0; j < m->cap; j++) {
+        Slot *s = &m->slots[j];
+        if (s->val == NULL)
+            continue;
+        put_le64(hp + n * 8, s->key);
+        put_le64(ap + n * 8, (uint64_t)(uintptr_t)s->val);
+        n++;
     }
     Py_ssize_t ni = items == NULL ? 0 : PyList_GET_SIZE(items);
     for (Py_ssize_t j = 0; j < ni; j++) {
         PyObject *pair = PyList_GET_ITEM(items, j);
-        PyObject *h = PyTuple_GET_ITEM(pair, 0), *node = PyTuple_GET_ITEM(pair, 1), *iv;
-        unsigned long idx;
-        if (wi != NULL) {
-            Py_ssize_t k = nidx_find(wi, node);
-            if (k < 0)
-                continue;
-            idx = wi->slots[k].idx;
-            if ((iv = PyLong_FromUnsignedLong(idx)) == NULL)
-                goto fail;
-        }
-        else {
-            iv = PyObject_CallOneArg(get, node);
-            if (iv == NULL)
-                goto fail;
-            if (iv == Py_None) {
-                Py_DECREF(iv);
-                continue;
-            }
-            idx = PyLong_AsUnsignedLong(iv);
-            if (idx == (unsigned long)-1 && PyErr_Occurred()) {
-                Py_DECREF(iv);
-                goto fail;
-            }
-            if (idx > UINT32_MAX) {
-                Py_DECREF(iv);
-                PyErr_SetString(PyExc_OverflowError, "a node index is a uint32");
-                goto fail;
-            }
-        }
-        uint64_t hv;
-        int r = PyLong_CheckExact(h) ? as_u64(h, &hv) : 0;
-        if (r > 0) {
-            put_le64(hp + n * 8, hv);
-            put_le32(ip + n * 4, (uint32_t)idx);
-            n++;
-        }
-        else if (r < 0 || (r == 0 && other_append(other, h, iv) < 0)) {
-            Py_DECREF(iv);
+        PyObject *iv = PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)PyTuple_GET_ITEM(pair, 1));
+        if (iv == NULL || other_append(other, PyTuple_GET_ITEM(pair, 0), iv) < 0) {
+            Py_XDECREF(iv);
             goto fail;
         }
         Py_DECREF(iv);
     }
     /* On failure _PyBytes_Resize frees the object and sets the pointer to NULL. */
-    if (_PyBytes_Resize(&hb, n * 8) < 0 || _PyBytes_Resize(&ib, n * 4) < 0)
+    if (_PyBytes_Resize(&hb, n * 8) < 0 || _PyBytes_Resize(&ab, n * 8) < 0)
         goto fail;
-    Py_XDECREF(get);
     Py_XDECREF(items);
-    return Py_BuildValue("(NNN)", hb, ib, other);
+    return Py_BuildValue("(NNN)", hb, ab, other);
 fail:
-    Py_XDECREF(get);
     Py_XDECREF(items);
     Py_XDECREF(hb);
-    Py_XDECREF(ib);
+    Py_XDECREF(ab);
     Py_XDECREF(other);
     return NULL;
+}
+
+static int column(PyObject *obj, Py_buffer *view, int width, const char *what);
+
+PyDoc_STRVAR(node_index_doc,
+"node_index(addrs) -> NodeIndex\n\n"
+"The table address -> index of the uint64 little-endian addresses dump_tree\n"
+"wrote (index = position). An address twice (not a tree) is a ValueError. Reads\n"
+"no node. Same as snapshot._py_node_index.");
+
+static PyObject *
+node_index(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 1) {
+        PyErr_SetString(PyExc_TypeError, "node_index(addrs)");
+        return NULL;
+    }
+    Py_buffer av;
+    if (column(args[0], &av, 8, "addrs") < 0)
+        return NULL;
+    Py_ssize_t n = av.len / 8;
+    NodeIndex *w = NULL;
+    if (n > UINT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "more than 2**32 - 1 nodes in one tree");
+        goto done;
+    }
+    if ((w = nidx_new(n)) == NULL)
+        goto done;
+    const unsigned char *ap = av.buf;
+    Py_ssize_t bad = -1;
+    /* Integers only (no Python object is touched): other threads, the queries among
+     * them, run meanwhile. */
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t a = get_le64(ap + i * 8);
+        if (a == 0 || nidx_add(w, a, (uint32_t)i) == 0) {
+            bad = i;
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (bad >= 0) {
+        PyErr_SetString(PyExc_ValueError, "node_index: an address twice, or 0 (not a tree)");
+        Py_CLEAR(w);
+    }
+done:
+    PyBuffer_Release(&av);
+    return (PyObject *)w;
+}
+
+PyDoc_STRVAR(translate_doc,
+"translate(where, hashes, addrs) -> (hashes, idx)\n\n"
+"dump_map's columns with each address replaced by its node's uint32 index in\n"
+"`where` (a NodeIndex); entries whose address `where` does not know (a node the\n"
+"cap freed) are left out. Same as snapshot._py_translate.");
+
+static PyObject *
+translate(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || Py_TYPE(args[0]) != &NodeIndexType) {
+        PyErr_SetString(PyExc_TypeError, "translate(NodeIndex, hashes, addrs)");
+        return NULL;
+    }
+    NodeIndex *w = (NodeIndex *)args[0];
+    Py_buffer hv, av;
+    if (column(args[1], &hv, 8, "hashes") < 0)
+        return NULL;
+    if (column(args[2], &av, 8, "addrs") < 0) {
+        PyBuffer_Release(&hv);
+        return NULL;
+    }
+    PyObject *hb = NULL, *ib = NULL, *res = NULL;
+    Py_ssize_t n = hv.len / 8, k = 0;
+    if (av.len / 8 != n) {
+        PyErr_Format(PyExc_ValueError, "%zd hashes, %zd addresses", n, av.len / 8);
+        goto done;
+    }
+    hb = PyBytes_FromStringAndSize(NULL, n * 8);
+    ib = PyBytes_FromStringAndSize(NULL, n * 4);
+    if (hb == NULL || ib == NULL)
+        goto done;
+    unsigned char *ho = (unsigned char *)PyBytes_AS_STRING(hb), *io = (unsigned char *)PyBytes_AS_STRING(ib);
+    const unsigned char *hp = hv.buf, *ap = av.buf;
+    size_t wmask = w->cap ? (size_t)w->cap - 1 : 0;
+    enum { PREFETCH = 16 };
+    /* Integers only: other threads run meanwhile (`where` and the buffers are held
+     * by this call's arguments and results). */
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (j + PREFETCH < n && w->cap)
+            __builtin_prefetch(&w->slots[ptr_slot(get_le64(ap + (j + PREFETCH) * 8), wmask)]);
+        Py_ssize_t s = nidx_find(w, get_le64(ap + j * 8));
+        if (s < 0)
+            continue;
+        memcpy(ho + k * 8, hp + j * 8, 8);
+        put_le32(io + k * 4, w->slots[s].idx);
+        k++;
+    }
+    Py_END_ALLOW_THREADS
+    if (_PyBytes_Resize(&hb, k * 8) < 0 || _PyBytes_Resize(&ib, k * 4) < 0)
+        goto done;
+    res = Py_BuildValue("(OO)", hb, ib);
+done:
+    Py_XDECREF(hb);
+    Py_XDECREF(ib);
+    PyBuffer_Release(&hv);
+    PyBuffer_Release(&av);
+    return res;
 }
 
 /* A read-only view of a column of `width`-byte items; -1 with ValueError when its
@@ -2552,6 +2598,8 @@ static PyMethodDef core_methods[] = {
     {"remove_gpu", (PyCFunction)(void (*)(void))remove_gpu, METH_FASTCALL, remove_gpu_doc},
     {"dump_tree", (PyCFunction)(void (*)(void))dump_tree, METH_FASTCALL, dump_tree_doc},
     {"dump_map", (PyCFunction)(void (*)(void))dump_map, METH_FASTCALL, dump_map_doc},
+    {"node_index", (PyCFunction)(void (*)(void))node_index, METH_FASTCALL, node_index_doc},
+    {"translate", (PyCFunction)(void (*)(void))translate, METH_FASTCALL, translate_doc},
     {"load_tree", (PyCFunction)(void (*)(void))load_tree, METH_FASTCALL, load_tree_doc},
     {"load_map", (PyCFunction)(void (*)(void))load_map, METH_FASTCALL, load_map_doc},
     {NULL, NULL, 0, NULL},

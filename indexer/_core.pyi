@@ -18,7 +18,7 @@ Conventions the C follows:
 """
 
 from _typeshed import SupportsKeysAndGetItem
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar, Final, TypeAlias, TypeVar, final, overload
 
 from typing_extensions import Buffer
@@ -206,38 +206,48 @@ def split_tokens_json(body: Buffer, /) -> tuple[bytes, bytes] | None:
 
 @final
 class NodeIndex:
-    """Node (by identity) -> its index in a ``dump_tree`` walk (the root is 0).
+    """A node's address -> its index in a ``dump_tree`` walk (the root is 0).
 
-    Made by ``dump_tree`` only (not instantiable): the compact twin of the pure
-    walk's ``dict[Node, int]`` (16-byte slots over node pointers). Holds a
-    reference to every node it knows.
+    Made by ``node_index`` only (not instantiable) from the addresses ``dump_tree``
+    read under the index lock: the compact twin of the pure ``dict[int, int]``
+    (16-byte slots). Holds no node and reads none: addresses are plain integers.
     """
 
     def __len__(self) -> int: ...
-    def __contains__(self, node: object, /) -> bool: ...
+    def __contains__(self, addr: object, /) -> bool: ...
     @overload
-    def get(self, node: object, /) -> int | None: ...
+    def get(self, addr: int, /) -> int | None: ...
     @overload
-    def get(self, node: object, default: _T, /) -> int | _T: ...
+    def get(self, addr: int, default: _T, /) -> int | _T: ...
 
 
-def dump_tree(root: Node, /) -> tuple[bytes, bytes, bytes, list[int], list[tuple[int, Node]], NodeIndex]:
+def dump_tree(root: Node, /) -> tuple[bytes, bytes, bytes, list[int], list[tuple[int, Node]], bytes]:
     """Walk one tree in preorder (iterative; node 0 is the root).
 
-    Returns ``(parents, keys, mask_ids, masks, extra, where)``: little-endian
+    Returns ``(parents, keys, mask_ids, masks, extra, addrs)``: little-endian
     uint32 / uint64 / uint32 columns of every node but the root, the distinct GPU
     masks in order of first use, ``(index, node)`` of the nodes with tiers or
-    dups, and the ``NodeIndex`` of every node met. Read-only; a node met twice
-    (not a tree) is a ValueError. Same bytes as ``snapshot._py_dump_tree``.
+    dups, and the uint64 address of every node, the root first. Read-only. Same
+    bytes as ``snapshot._py_dump_tree`` (addresses: ``id()``).
     """
 
 
-def dump_map(wmap: U64Map, where: NodeIndex | Mapping[Any, int], /) -> tuple[bytes, bytes, list[tuple[Any, int]]]:
-    """A worker's map as ``(uint64 hashes, uint32 node indices, other)`` for the
-    entries whose node ``where`` knows; ``other`` holds ``(hash, index)`` of the
-    hashes that are not ints in [0, 2**64). Read-only. Same bytes as
-    ``snapshot._py_dump_map``.
+def dump_map(wmap: U64Map, /) -> tuple[bytes, bytes, list[tuple[Any, int]]]:
+    """A worker's map as ``(uint64 hashes, uint64 node addresses, other)``; ``other``
+    holds ``(hash, address)`` of the hashes that are not ints in [0, 2**64). Reads
+    the map only, no node. Same as ``snapshot._py_dump_map``.
     """
+
+
+def node_index(addrs: Buffer, /) -> NodeIndex:
+    """The table address -> position of ``dump_tree``'s addresses; an address twice
+    (or 0) is a ValueError. Same as ``snapshot._py_node_index``."""
+
+
+def translate(where: NodeIndex, hashes: Buffer, addrs: Buffer, /) -> tuple[bytes, bytes]:
+    """``dump_map``'s columns with each address replaced by its uint32 index in
+    ``where``; entries ``where`` does not know are left out. Same as
+    ``snapshot._py_translate``."""
 
 
 def load_tree(root: Node, parents: Buffer, keys: Buffer, mask_ids: Buffer, masks: Sequence[int], /) -> list[Node]:

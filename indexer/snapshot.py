@@ -173,10 +173,11 @@ def _frame(body: bytes) -> bytes:
 
 def dumps(index: PrefixIndex, *, engines: Iterable[dict[str, Any]] = (), meta: dict[str, Any] | None = None) -> bytes:
     """The whole index (plus ``engines`` and ``meta``) as snapshot bytes. Holds the
-    index lock while it reads (one consistent cut); changes nothing."""
+    index lock while it reads the columns (one consistent cut), not while node
+    addresses become indices or the body is encoded; changes nothing."""
     with index._lock:
-        body = _cut(index, list(engines), dict(meta or {}))
-    return _frame(_enc.encode(body))
+        cut = _cut(index)
+    return _frame(_enc.encode(_assemble(cut, list(engines), dict(meta or {}))))
 
 
 class Snapshot:
@@ -259,14 +260,15 @@ def _mask_int(b: bytes) -> int:
     return int.from_bytes(b, "little")
 
 
-def _py_dump_tree(root: Node) -> tuple[bytes, bytes, bytes, list[int], list[tuple[int, Node]], dict[Node, int]]:
+def _py_dump_tree(root: Node) -> tuple[bytes, bytes, bytes, list[int], list[tuple[int, Node]], bytes]:
     """Walk one tree in preorder (iterative; node 0 is the root). Returns ``(parents,
-    keys, mask_ids, masks, extra, where)``: the uint32/uint64/uint32 columns of every
+    keys, mask_ids, masks, extra, addrs)``: the uint32/uint64/uint32 columns of every
     node but the root, the distinct GPU masks (ints) in order of first use, ``(index,
-    node)`` of the nodes with tiers or dups, and ``where``: node -> index, for every
-    node the walk met (``where.get(node)``). Read-only. ``_core.dump_tree`` is the
-    compiled twin (its ``where`` is a compact table with the same ``get``)."""
-    where: dict[Node, int] = {root: 0}
+    node)`` of the nodes with tiers or dups, and the uint64 address (``id()``) of
+    every node, the root first: :func:`_py_node_index` turns them into node indices
+    once the index lock is released. Read-only. ``_core.dump_tree`` is the compiled
+    twin (the same bytes: CPython's ``id()`` is the address)."""
+    addrs = array(_U64C, [id(root)])
     parents = array(_U32)
     keys = array(_U64C)
     mids = array(_U32)
@@ -282,7 +284,7 @@ def _py_dump_tree(root: Node) -> tuple[bytes, bytes, bytes, list[int], list[tupl
     while stack:
         node, p = stack.pop()
         i += 1
-        where[node] = i
+        addrs.append(id(node))
         parents.append(p)
         keys.append(node.key)
         m = node.gpu
@@ -300,66 +302,83 @@ def _py_dump_tree(root: Node) -> tuple[bytes, bytes, bytes, list[int], list[tupl
                     stack.append((child, i))
             else:
                 stack.append((kids, i))
-    return _le(parents), _le(keys), _le(mids), masks, extra, where
+    return _le(parents), _le(keys), _le(mids), masks, extra, _le(addrs)
 
 
-def _py_dump_map(wmap: Kids, where: Any) -> tuple[bytes, bytes, list[tuple[Any, int]]]:
-    """A worker's engine-hash map as ``(uint64 hashes, uint32 node indices, other)``:
-    ``other`` holds the entries whose hash is not an int in [0, 2**64) (bytes
-    digests). Entries whose node ``where`` does not know (freed by the node cap) are
-    left out. Read-only. ``_core.dump_map`` is the compiled twin."""
+def _py_dump_map(wmap: Kids) -> tuple[bytes, bytes, list[tuple[Any, int]]]:
+    """A worker's engine-hash map as ``(uint64 hashes, uint64 node addresses, other)``:
+    ``other`` holds ``(hash, address)`` of the entries whose hash is not an int in
+    [0, 2**64) (bytes digests). Reads the map, not its nodes. ``_core.dump_map`` is
+    the compiled twin."""
     hashes = array(_U64C)
-    idx = array(_U32)
+    addrs = array(_U64C)
     other: list[tuple[Any, int]] = []
-    get = where.get
     for h, node in wmap.items():
-        i = get(node)
-        if i is None:
-            continue
         if h.__class__ is int and 0 <= h <= _U64:
             hashes.append(h)
-            idx.append(i)
+            addrs.append(id(node))
         else:
-            other.append((h, i))
-    return _le(hashes), _le(idx), other
+            other.append((h, id(node)))
+    return _le(hashes), _le(addrs), other
 
 
-def _cut(index: PrefixIndex, engines: list[dict[str, Any]], meta: dict[str, Any]) -> Body:
+def _py_node_index(addrs: bytes) -> dict[int, int]:
+    """Address -> position of :func:`_py_dump_tree`'s addresses (a ValueError when one
+    is there twice: not a tree). ``_core.node_index`` is the compiled twin."""
+    a = _col(_U64C, addrs)
+    where = dict(zip(a, range(len(a))))
+    if len(where) != len(a) or 0 in where:
+        raise ValueError("node_index: an address twice, or 0 (not a tree)")
+    return where
+
+
+def _py_translate(where: Any, hashes: bytes, addrs: bytes) -> tuple[bytes, bytes]:
+    """:func:`_py_dump_map`'s columns with each address replaced by its node's index in
+    ``where``; entries it does not know (nodes the cap freed) are left out.
+    ``_core.translate`` is the compiled twin."""
+    hs, ads = _col(_U64C, hashes), _col(_U64C, addrs)
+    if len(hs) != len(ads):
+        raise ValueError(f"{len(hs)} hashes, {len(ads)} addresses")
+    ho, io = array(_U64C), array(_U32)
+    get = where.get
+    for h, a in zip(hs, ads):
+        i = get(a)
+        if i is not None:
+            ho.append(h)
+            io.append(i)
+    return _le(ho), _le(io)
+
+
+# What the index lock is held for: every column read, node references replaced by
+# their addresses (plain ints). Turning those into node indices (_assemble) needs no
+# node, so it runs after the lock is released: it was most of a dump's time.
+
+
+def _cut(index: PrefixIndex) -> dict[str, Any]:
+    """Read everything a snapshot holds (under the index lock); changes nothing."""
     now = index._clock()
-    models: list[ModelSnap] = []
-    # per (model, group): node -> index, for the worker maps and chunk ends
-    where: dict[tuple[str, int], Any] = {}
+    models = []
     for name, mo in index._models.items():
         trees = []
         for g, tree in mo.trees.items():
-            parents, keys, mids, masks, extra, pos = dump_tree(tree.root)
-            where[(name, g)] = pos
+            parents, keys, mids, masks, extra, addrs = dump_tree(tree.root)
             extras = [(i,
                        None if n.tiers is None else [(t, _mask_bytes(v)) for t, v in n.tiers.items()],
                        None if n.dup is None else list(n.dup.items())) for i, n in extra]
-            stamps = None
-            if tree.stamps is not None:
-                st = array(_U64C, bytes(2 * len(parents)))  # 8 bytes per node: parents has 4
-                get = pos.get
-                for n, s in tree.stamps.items():
-                    i = get(n)
-                    if i:
-                        st[i - 1] = s
-                stamps = _le(st)
-            trees.append(TreeSnap(g, tree.block_size, mo.kinds.get(g), parents, keys, mids,
-                                  [_mask_bytes(m) for m in masks], extras, stamps, tree.clock))
-        models.append(ModelSnap(name, trees, mo.tiered, name in index._idle_models))
-    workers: list[WorkerSnap] = []
+            stamps = None if tree.stamps is None else [(id(n), st) for n, st in tree.stamps.items()]
+            trees.append((g, tree.block_size, mo.kinds.get(g), parents, keys, mids, masks, extras, addrs, stamps,
+                          tree.clock))
+        models.append((name, trees, mo.tiered, name in index._idle_models))
+    workers = []
     wg_of: dict[int, tuple[int, int]] = {}  # id(_WG) -> (wid, group)
     for w in index._workers.values():
         groups = []
         for g, wg in w.groups.items():
             wg_of[id(wg)] = (w.wid, g)
-            groups.append(_group_snap(g, wg, where.get((w.model, g)) or {}))
-        workers.append(WorkerSnap(
-            w.wid, w.engine, w.dp_rank, w.model, w.last_seq, w.last_ts,
-            None if w.last_apply is None else max(0.0, now - w.last_apply), w.stale, w.stale_reason,
-            w.batches, w.restarts, w.gaps, dict(w.dropped), groups))
+            hashes, addrs, other = dump_map(wg.map)
+            ends = [(tid, [id(n) for n in em], list(em.values())) for tid, em in wg.ends.items()]
+            groups.append((g, hashes, addrs, other, list(wg.res), ends))
+        workers.append((w, None if w.last_apply is None else max(0.0, now - w.last_apply), dict(w.dropped), groups))
     orphans: list[OrphanSnap] = []
     for t, wg, ph, entry in index._orphan_queue:
         lst = wg.orphans.get(ph)
@@ -367,25 +386,61 @@ def _cut(index: PrefixIndex, engines: list[dict[str, Any]], meta: dict[str, Any]
             continue  # adopted or dropped already
         wid, g = wg_of[id(wg)]
         orphans.append(OrphanSnap(wid, g, ph, max(0.0, now - t), encode_stored(entry[0]), entry[1]))
-    return Body(created=time.time(), tier_names=list(index._tier_names), next_wid=index._next_wid,
-                free_wids=list(index._free_wids), models=models, workers=workers, orphans=orphans,
+    return {"models": models, "orphans": orphans, "created": time.time(), "tier_names": list(index._tier_names),
+            "next_wid": index._next_wid, "free_wids": list(index._free_wids),
+            "workers": [(w.wid, w.engine, w.dp_rank, w.model, w.last_seq, w.last_ts, age, w.stale, w.stale_reason,
+                         w.batches, w.restarts, w.gaps, dropped, groups) for w, age, dropped, groups in workers]}
+
+
+def _assemble(cut: dict[str, Any], engines: list[dict[str, Any]], meta: dict[str, Any]) -> Body:
+    """The snapshot's body from what :func:`_cut` read: addresses become node indices.
+    Reads no node (the index lock is not held)."""
+    models: list[ModelSnap] = []
+    where: dict[tuple[str, int], Any] = {}  # (model, group) -> address -> node index
+    for name, trees_raw, tiered, idle in cut["models"]:
+        trees = []
+        for g, block_size, kind, parents, keys, mids, masks, extras, addrs, stamps_raw, clock in trees_raw:
+            pos = where[(name, g)] = node_index(addrs)
+            stamps = None
+            if stamps_raw is not None:
+                st = array(_U64C, bytes(2 * len(parents)))  # 8 bytes per node: parents has 4
+                get = pos.get
+                for a, stamp in stamps_raw:
+                    i = get(a)
+                    if i:
+                        st[i - 1] = stamp
+                stamps = _le(st)
+            trees.append(TreeSnap(g, block_size, kind, parents, keys, mids, [_mask_bytes(m) for m in masks], extras,
+                                  stamps, clock))
+        models.append(ModelSnap(name, trees, tiered, idle))
+    workers: list[WorkerSnap] = []
+    for *fields, groups_raw in cut["workers"]:
+        model = fields[3]
+        groups = []
+        for g, hashes, addrs, other_raw, res, ends_raw in groups_raw:
+            pos = where.get((model, g))
+            if pos is None:  # no tree (only orphans so far): no node to name
+                hashes = idx = b""
+                other: list[tuple[Any, int]] = []
+                ends: list[tuple[int, bytes, bytes]] = []
+            else:
+                hashes, idx = translate(pos, hashes, addrs)
+                get = pos.get
+                other = [(h, i) for h, i in ((h, get(a)) for h, a in other_raw) if i is not None]
+                ends = []
+                for tid, end_addrs, blocks in ends_raw:
+                    ni, nb = array(_U32), array(_U32)
+                    for a, n in zip(end_addrs, blocks):
+                        i = get(a)
+                        if i is not None:
+                            ni.append(i)
+                            nb.append(n)
+                    ends.append((tid, _le(ni), _le(nb)))
+            groups.append(GroupSnap(g, hashes, idx, other, res, ends))
+        workers.append(WorkerSnap(*fields, groups))  # type: ignore[call-arg]  # the fields _cut read, in order
+    return Body(created=cut["created"], tier_names=cut["tier_names"], next_wid=cut["next_wid"],
+                free_wids=cut["free_wids"], models=models, workers=workers, orphans=cut["orphans"],
                 engines=engines, meta=meta)
-
-
-def _group_snap(g: int, wg: _WG, pos: Any) -> GroupSnap:
-    hashes, idx, other = dump_map(wg.map, pos)
-    ends = []
-    get = pos.get
-    for tid, em in wg.ends.items():
-        ni = array(_U32)
-        nb = array(_U32)
-        for node, n in em.items():
-            i = get(node)
-            if i is not None:
-                ni.append(i)
-                nb.append(n)
-        ends.append((tid, _le(ni), _le(nb)))
-    return GroupSnap(g, hashes, idx, other, list(wg.res), ends)
 
 
 # ---------------------------------------------------------------- the restore
@@ -445,6 +500,8 @@ def _load_stride(n: int) -> int:
 # pure ones); tests/test_snapshot.py holds both to the same bytes and nodes.
 dump_tree = getattr(_core, "dump_tree", None) or _py_dump_tree
 dump_map = getattr(_core, "dump_map", None) or _py_dump_map
+node_index = getattr(_core, "node_index", None) or _py_node_index
+translate = getattr(_core, "translate", None) or _py_translate
 load_tree = getattr(_core, "load_tree", None) or _py_load_tree
 load_map = getattr(_core, "load_map", None) or _py_load_map
 

@@ -1,10 +1,12 @@
-"""The snapshot's four hot loops: the compiled twins (``indexer._core.dump_tree``,
-``dump_map``, ``load_tree``, ``load_map``) against the pure ones in snapshot.py.
+"""The snapshot's hot loops: the compiled twins (``indexer._core.dump_tree``,
+``dump_map``, ``node_index``, ``translate``, ``load_tree``, ``load_map``) against the
+pure ones in snapshot.py.
 
 * On random trees (fan-out 0..5, chains up to 3,000 deep, masks up to 2**200,
-  tiers and dups on some nodes) both dumps give the same bytes, masks and extra
-  indices, and their ``where`` agree on every node; worker maps with int, bytes,
-  negative and huge hashes dump to the same columns and ``other``;
+  tiers and dups on some nodes) both dumps give the same bytes (node addresses
+  included: CPython's ``id()`` is the address), masks and extra indices, and their
+  ``node_index`` tables agree on every node; worker maps with int, bytes, negative
+  and huge hashes dump and translate to the same columns and ``other``;
 * a load of the columns rebuilds the same tree (same keys, masks and shape under
   every node; siblings may come back in another order, so a second dump can list
   them differently), and both loaders build it identically;
@@ -35,10 +37,13 @@ from indexer.tree import Kids, Node
 
 needs_core = pytest.mark.skipif(not COMPILED, reason="the compiled core is not built (or KVI_PURE_PYTHON=1)")
 
-PURE = (snapshot._py_dump_tree, snapshot._py_dump_map, snapshot._py_load_tree, snapshot._py_load_map)
+PURE = (snapshot._py_dump_tree, snapshot._py_dump_map, snapshot._py_load_tree, snapshot._py_load_map,
+        snapshot._py_node_index, snapshot._py_translate)
 TWINS = [pytest.param(PURE, id="pure")]
 if _core is not None:
-    TWINS.append(pytest.param((_core.dump_tree, _core.dump_map, _core.load_tree, _core.load_map), id="compiled"))
+    TWINS.append(pytest.param((_core.dump_tree, _core.dump_map, _core.load_tree, _core.load_map, _core.node_index,
+                               _core.translate), id="compiled"))
+COMPILED_TWINS: Any = TWINS[-1].values[0]
 
 U64 = 2**64 - 1
 
@@ -148,6 +153,19 @@ def kids_list(node: Any) -> list[Any]:
     return [] if kids is None else kids.values() if kids.__class__ is Kids else [kids]
 
 
+def indexed(twins: Any, root: Any) -> tuple[Any, ...]:
+    """dump_tree's columns, its addresses turned into ``where`` (address -> index)."""
+    parents, keys, mids, masks, extra, addrs = twins[0](root)
+    return parents, keys, mids, masks, extra, twins[4](addrs)
+
+
+def map_cols(twins: Any, wmap: Any, where: Any) -> tuple[bytes, bytes, list[tuple[Any, int]]]:
+    """A worker map as snapshot columns: dump_map, then translate (what snapshot._assemble does)."""
+    hashes, addrs, other = twins[1](wmap)
+    h, i = twins[5](where, hashes, addrs)
+    return h, i, [(x, where.get(a)) for x, a in other if where.get(a) is not None]
+
+
 # ---------------------------------------------------------------- C == pure
 
 
@@ -163,20 +181,21 @@ def test_compiled_dump_is_byte_identical_to_the_pure_one(tree: tuple[Any, list[A
         assert c[3] == p[3] and all(a is b for a, b in zip(c[3], p[3]))  # the same mask objects
         assert [(i, n) for i, n in c[4]] == [(i, n) for i, n in p[4]]
         assert all(a is b for (_, a), (_, b) in zip(c[4], p[4]))
-        cw, pw = c[5], p[5]
+        assert c[5] == p[5] and sorted(array("Q", c[5])) == sorted(id(n) for n in nodes)
+        cw, pw = _core.node_index(c[5]), snapshot._py_node_index(p[5])
         assert type(cw).__name__ == "NodeIndex" and len(cw) == len(pw) == len(nodes)
         for n in nodes:
-            assert cw.get(n) == pw[n] and n in cw
+            assert cw.get(id(n)) == pw[id(n)] and id(n) in cw
         outsider = Node(1, None)
-        assert cw.get(outsider) is None and cw.get(outsider, -1) == -1 and outsider not in cw
-        assert cw.get(None) is None and cw.get(7) is None
+        assert cw.get(id(outsider)) is None and cw.get(id(outsider), -1) == -1 and id(outsider) not in cw
+        assert cw.get(-1) is None and cw.get(2**70) is None and cw.get(0) is None
         for _ in range(3):
             wmap = data.draw(worker_maps(nodes))
-            pm = snapshot._py_dump_map(wmap, pw)
-            cm = _core.dump_map(wmap, cw)
+            pm = snapshot._py_dump_map(wmap)
+            cm = _core.dump_map(wmap)
             assert cm == pm
-            assert _core.dump_map(wmap, pw) == pm  # any mapping for where (asked through .get)
-            assert _core.dump_map(wmap, {}) == (b"", b"", [])
+            assert _core.translate(cw, cm[0], cm[1]) == snapshot._py_translate(pw, pm[0], pm[1])
+            assert _core.translate(_core.node_index(b""), cm[0], cm[1]) == (b"", b"")
     finally:
         unlink(root)
 
@@ -198,14 +217,14 @@ def test_compiled_load_builds_what_the_pure_load_builds(tree: tuple[Any, list[An
             assert a.key == b.key and a.gpu is b.gpu and b.tiers is None and b.dup is None
             assert at1[id(a.parent)] == at2[id(b.parent)]
         # the same tables in the same order: the two rebuilt trees dump alike
-        d1, d2 = snapshot._py_dump_tree(r1), _core.dump_tree(r2)
+        d1, d2 = indexed(PURE, r1), indexed(COMPILED_TWINS, r2)
         assert d1[:4] == d2[:4]
         for a, b in zip(n1, n2):
-            assert [d1[5][x] for x in kids_list(a)] == [d2[5].get(x) for x in kids_list(b)]
+            assert [d1[5][id(x)] for x in kids_list(a)] == [d2[5].get(id(x)) for x in kids_list(b)]
         wmap = Kids()
         for i, n in enumerate(nodes):
             wmap[(i * 0x9E3779B97F4A7C15) & U64] = n
-        hashes, idx, _ = snapshot._py_dump_map(wmap, snapshot._py_dump_tree(root)[5])
+        hashes, idx, _ = map_cols(PURE, wmap, indexed(PURE, root)[5])
         m1, m2 = Kids(), Kids()
         snapshot._py_load_map(m1, hashes, idx, n1)
         _core.load_map(m2, hashes, idx, n2)
@@ -213,7 +232,7 @@ def test_compiled_load_builds_what_the_pure_load_builds(tree: tuple[Any, list[An
         # their slot orders (and the dumps' entry orders) may differ.
         assert len(m1) == len(m2) == len(nodes)
         assert {k: at1[id(m1[k])] for k in m1} == {k: at2[id(m2[k])] for k in m2}
-        e1, e2 = snapshot._py_dump_map(m1, d1[5]), _core.dump_map(m2, d2[5])
+        e1, e2 = map_cols(PURE, m1, d1[5]), map_cols(COMPILED_TWINS, m2, d2[5])
 
         def pairs(cols):
             return sorted(zip(array("Q", cols[0]), array("I", cols[1])))
@@ -232,11 +251,11 @@ def test_compiled_load_builds_what_the_pure_load_builds(tree: tuple[Any, list[An
 @given(tree=trees())
 @settings(max_examples=60, deadline=None)
 def test_load_of_a_dump_rebuilds_the_same_tree(twins: Any, tree: tuple[Any, list[Any]]) -> None:
-    dump_tree, dump_map, load_tree, load_map = twins
+    dump_tree, dump_map, load_tree, load_map = twins[:4]
     root, nodes = tree
     back = Node(None, None)
     try:
-        parents, keys, mids, masks, extra, where = dump_tree(root)
+        parents, keys, mids, masks, extra, where = indexed(twins, root)
         assert len(parents) == 4 * (len(nodes) - 1) and len(keys) == 8 * (len(nodes) - 1)
         rebuilt = load_tree(back, parents, keys, mids, masks)
         assert len(rebuilt) == len(nodes) and rebuilt[0] is back
@@ -250,19 +269,19 @@ def test_load_of_a_dump_rebuilds_the_same_tree(twins: Any, tree: tuple[Any, list
         assert canon(*again[:4], intern) == canon(parents, keys, mids, masks, intern)
         assert sorted(again[3]) == sorted(masks)  # the same distinct masks (first use may differ)
         # the extras name the same nodes: tiers and dups put back by index restore them
-        assert {where.get(n) for _, n in extra} == {i for i, _ in extra}
+        assert {where.get(id(n)) for _, n in extra} == {i for i, _ in extra}
         assert all(n.tiers is not None or n.dup is not None for _, n in extra)
         # a worker map over the original nodes comes back naming the rebuilt ones
         wmap = Kids()
         for i, n in enumerate(nodes):
             wmap[i] = n
-        hashes, idx, other = dump_map(wmap, where)
+        hashes, idx, other = map_cols(twins, wmap, where)
         assert other == []
         back_map = Kids()
         load_map(back_map, hashes, idx, rebuilt)
         assert sorted(back_map.keys()) == list(range(len(nodes)))
         for h in range(len(nodes)):
-            assert back_map[h] is rebuilt[where.get(nodes[h])]
+            assert back_map[h] is rebuilt[where.get(id(nodes[h]))]
     finally:
         unlink(root)
         unlink(back)
@@ -270,34 +289,36 @@ def test_load_of_a_dump_rebuilds_the_same_tree(twins: Any, tree: tuple[Any, list
 
 @pytest.mark.parametrize("twins", TWINS)
 def test_a_tree_of_only_the_root_and_empty_columns(twins: Any) -> None:
-    dump_tree, dump_map, load_tree, load_map = twins
+    dump_tree, dump_map, load_tree, load_map = twins[:4]
     root = Node(None, None)
-    parents, keys, mids, masks, extra, where = dump_tree(root)
+    parents, keys, mids, masks, extra, where = indexed(twins, root)
     assert (parents, keys, mids, masks, extra) == (b"", b"", b"", [], [])
-    assert len(where) == 1 and where.get(root) == 0
-    assert dump_map(Kids(), where) == (b"", b"", [])
+    assert len(where) == 1 and where.get(id(root)) == 0
+    assert dump_map(Kids()) == (b"", b"", []) and map_cols(twins, Kids(), where) == (b"", b"", [])
     assert load_tree(root, b"", b"", b"", []) == [root] and root.kids is None
     wmap = Kids()
     assert load_map(wmap, b"", b"", []) is None and len(wmap) == 0
     wmap[b"x"] = root
     wmap[-1] = root
     wmap[3] = root
-    assert dump_map(wmap, where) == (struct.pack("<Q", 3), struct.pack("<I", 0), [(b"x", 0), (-1, 0)])
+    assert map_cols(twins, wmap, where) == (struct.pack("<Q", 3), struct.pack("<I", 0), [(b"x", 0), (-1, 0)])
+    assert dump_map(wmap)[2] == [(b"x", id(root)), (-1, id(root))]
 
 
 @pytest.mark.parametrize("twins", TWINS)
 def test_columns_are_little_endian_preorder(twins: Any) -> None:
-    dump_tree, _, load_tree, _ = twins
+    load_tree = twins[2]
     root = Node(None, None)
     a = Node(10, root, None, 1)
     link(root, a)
     b = Node(20, a, None, 2**130)
     link(a, b)
     b.dup = {1: 1}
-    parents, keys, mids, masks, extra, where = dump_tree(root)
+    parents, keys, mids, masks, extra, where = indexed(twins, root)
     assert parents == struct.pack("<II", 0, 1) and keys == struct.pack("<QQ", 10, 20)
     assert mids == struct.pack("<II", 0, 1) and masks == [1, 2**130] and extra == [(2, b)]
-    assert (where.get(root), where.get(a), where.get(b)) == (0, 1, 2)
+    assert twins[0](root)[5] == struct.pack("<QQQ", id(root), id(a), id(b))
+    assert (where.get(id(root)), where.get(id(a)), where.get(id(b))) == (0, 1, 2)
     # the root may already have children: new ones join them
     other = Node(None, None)
     c = Node(30, other)
@@ -416,7 +437,13 @@ def test_compiled_twins_refuse_what_they_cannot_read() -> None:
     with pytest.raises(TypeError):
         _core.dump_tree()
     with pytest.raises(TypeError):
-        _core.dump_map({}, _core.dump_tree(root)[5])
+        _core.dump_map({})
+    with pytest.raises(TypeError):
+        _core.translate({}, b"", b"")
+    with pytest.raises(ValueError):
+        _core.translate(_core.node_index(b""), b"\0" * 8, b"")
+    with pytest.raises(ValueError):
+        _core.node_index(b"\0" * 7)
     with pytest.raises(TypeError):
         _core.load_tree(root, b"", b"", b"")
     with pytest.raises(TypeError):
@@ -425,12 +452,19 @@ def test_compiled_twins_refuse_what_they_cannot_read() -> None:
         _core.load_map(Kids(), b"", b"", ())  # nodes must be a list
     with pytest.raises(TypeError):
         _core.NodeIndex()
-    # a "tree" that is not one: a node met twice is refused, not walked forever
+    # a "tree" that is not one: a node under two parents is met twice, and its
+    # addresses are refused by node_index (both twins)
     a = Node(1, root)
     link(root, a)
-    a.kids = root
-    with pytest.raises(ValueError, match="twice"):
-        _core.dump_tree(root)
+    b = Node(2, root)
+    link(root, b)
+    shared = Node(3, a)
+    link(a, shared)
+    link(b, shared)
+    for dump, index in ((_core.dump_tree, _core.node_index), (snapshot._py_dump_tree, snapshot._py_node_index)):
+        with pytest.raises(ValueError, match="twice"):
+            index(dump(root)[5])
+    a.kids = b.kids = None
     a.kids = 5  # kids that are neither a node nor a map
     with pytest.raises(TypeError):
         _core.dump_tree(root)
@@ -468,8 +502,8 @@ def test_compiled_twins_hold_no_stray_references_and_leak_nothing() -> None:
     sample = nodes[:50] + [root]
 
     def cycle() -> None:
-        parents, keys, mids, masks, extra, where = _core.dump_tree(root)
-        hashes, idx, other = _core.dump_map(wmap, where)
+        parents, keys, mids, masks, extra, where = indexed(COMPILED_TWINS, root)
+        hashes, idx, other = map_cols(COMPILED_TWINS, wmap, where)
         back = Node(None, None)
         rebuilt = _core.load_tree(back, parents, keys, mids, masks)
         m = Kids()
