@@ -53,7 +53,7 @@ class StateKeeper:
         self.loads: dict[tuple[str, str, str], int] = {}
         self.writes: dict[str, int] = {}  # outcome "ok" | "error" -> n
         self.last_bytes = 0
-        self.last_dump_s = 0.0  # index lock held
+        self.last_dump_s = 0.0  # read + encoded (the index lock is held for the read only)
         self.last_write_s = 0.0  # file written and renamed
         self.last_ok_unix = 0.0
         self.restored_from: str | None = None
@@ -207,8 +207,8 @@ class StateCollector:
             wr.add_metric([outcome], k.writes.get(outcome, 0))
         yield wr
         yield GaugeMetricFamily("kvi_snapshot_bytes", "Size of the last snapshot written.", value=k.last_bytes)
-        yield GaugeMetricFamily("kvi_snapshot_dump_seconds", "Index lock held by the last snapshot's read.",
-                                value=k.last_dump_s)
+        yield GaugeMetricFamily("kvi_snapshot_dump_seconds", "Time the last snapshot took to read and encode "
+                                "(the index lock is held for the read: see docs/state.md).", value=k.last_dump_s)
         yield GaugeMetricFamily("kvi_snapshot_write_seconds", "Time the last snapshot's file write took.",
                                 value=k.last_write_s)
         yield GaugeMetricFamily("kvi_snapshot_last_success_timestamp_seconds",
