@@ -82,6 +82,24 @@ def lat_stats_us(ns: list[int]) -> dict:
     return {"median_us": percentile(s, 50) / 1000.0, "p99_us": percentile(s, 99) / 1000.0, "n": len(s)}
 
 
+def spread(xs: list[float]) -> dict:
+    """Median, min and max of several runs' figures (the runs kept too)."""
+    s = sorted(xs)
+    n = len(s)
+    med = s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+    return {"median": med, "min": s[0], "max": s[-1], "runs": xs}
+
+
+def drop_cache(path: str) -> None:
+    """Drop ``path``'s pages from the page cache (the file is clean: written, fsync'd), so
+    the next read comes from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def ratio(a, b):
     if a is None or b is None or b == 0:
         return None

@@ -64,7 +64,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import workload as wl  # noqa: E402
-from _report import header, peer, peer_available, pin, rss_bytes, table  # noqa: E402
+from _report import drop_cache, header, peer, peer_available, pin, rss_bytes, spread, table  # noqa: E402
 from bench_scale import seqs_for  # noqa: E402
 
 EPB = 16
@@ -198,13 +198,6 @@ def read_payloads(d: Path, workers: int):
 # ------------------------------------------------------------------ figures
 
 
-def spread(xs: list[float]) -> dict:
-    s = sorted(xs)
-    n = len(s)
-    med = s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
-    return {"median": med, "min": s[0], "max": s[-1], "runs": xs}
-
-
 def ratio_spread(a: dict, b: dict) -> dict:
     """ours/Dynamo: the medians' ratio, and the extremes (min/max .. max/min)."""
     return {"median": a["median"] / b["median"], "min": a["min"] / b["max"], "max": a["max"] / b["min"]}
@@ -231,14 +224,6 @@ def peak_rss() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def drop_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 class TimedLock:

@@ -59,7 +59,7 @@ sys.path.insert(0, str(HERE))
 import msgspec  # noqa: E402
 
 import workload as wl  # noqa: E402
-from _report import add_cpu_argument, lat_stats_us, pin, rss_bytes, table  # noqa: E402
+from _report import add_cpu_argument, drop_cache, lat_stats_us, pin, rss_bytes, spread, table  # noqa: E402
 
 # Imported in main() after pinning, so Dynamo's runtime threads inherit the affinity.
 RadixTree = compute_block_hash_for_seq = None
@@ -265,21 +265,6 @@ class _RouterEvent(msgspec.Struct):
     event: msgspec.Raw
 
 
-def _drop_cache(path: str) -> None:
-    """Drop ``path``'s pages from the page cache (the file is clean: written, fsync'd)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def _spread(xs: list[float]) -> dict:
-    s = sorted(xs)
-    return {"median": s[(len(s) - 1) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2,
-            "min": s[0], "max": s[-1], "runs": xs}
-
-
 def _scores(tree, queries, bs: int) -> dict:
     out = {}
     for name, toks in queries:
@@ -340,7 +325,7 @@ def mode_snapshot(args) -> dict:
     for r in range(args.runs):
         del tree2
         gc.collect()
-        _drop_cache(path)
+        drop_cache(path)
         t0 = time.perf_counter()
         with open(path, "rb") as f:
             data = f.read()
@@ -373,9 +358,9 @@ def mode_snapshot(args) -> dict:
     out = {
         "peer": dynamo_version(), "affinity": args.affinity, "events_applied": n_events, "build_s": build_s,
         "rss_build": rss_build, "dumped_events": n_dump, "dumped_blocks": dumped_blocks, "json_bytes": size,
-        "dump_s": _spread(dump_s), "write_s": _spread(write_s), "read_s": _spread(read_s),
-        "convert_s": _spread(convert_s), "apply_s": _spread(apply_s),
-        "restore_mem_s": _spread([c + a for c, a in zip(convert_s, apply_s)]), "restore_s": _spread(restore_s),
+        "dump_s": spread(dump_s), "write_s": spread(write_s), "read_s": spread(read_s),
+        "convert_s": spread(convert_s), "apply_s": spread(apply_s),
+        "restore_mem_s": spread([c + a for c, a in zip(convert_s, apply_s)]), "restore_s": spread(restore_s),
         "check": check, "scores": want,
         "called": "RadixTree.dump_tree_as_events(); RadixTree().apply_event(worker_id, bytes(event)) per "
                   "dumped RouterEvent",
