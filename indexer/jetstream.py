@@ -60,6 +60,7 @@ from .eventlog import (
 )
 from .index import PrefixIndex
 from .sequencer import GAP, RESTART, classify, peek_ts
+from .snapshot import SnapshotError, dumps, loads
 
 __all__ = ["JetStreamIngest"]
 
@@ -420,10 +421,6 @@ class JetStreamIngest(Background, Queries):
         """Restore the bucket's snapshot into the index (emptied first when it is newer
         than what the index holds). False when there is none, it is refused (corrupt:
         logged and counted) or not newer."""
-        try:
-            from .snapshot import SnapshotError, loads
-        except ImportError:  # pragma: no cover - a build without snapshots
-            return False
         assert self._obs is not None
         res = None
         for _ in range(3):
@@ -456,12 +453,8 @@ class JetStreamIngest(Background, Queries):
         if only_newer and n <= self.seq:
             return False
         ix = self.index
-        with ix._lock:
-            if ix._workers or ix._models:
-                ix.close()
-                ix._idle_models.clear()
         try:
-            snap.restore(ix)
+            snap.restore(ix, replace=True)  # a reload replaces what the index holds
         except SnapshotError as e:
             return self._refuse(e.reason, str(e))
         self._bad_digest = None
@@ -491,8 +484,6 @@ class JetStreamIngest(Background, Queries):
 
     def _dump(self) -> bytes | None:
         try:
-            from .snapshot import dumps
-
             return dumps(self.index, meta={"nats_seq": self.seq, "stream": self.stream})
         except Exception as e:  # a snapshot that fails costs the snapshot, never the replica
             self.counters["snapshot_errors"] += 1

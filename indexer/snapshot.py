@@ -190,16 +190,20 @@ class Snapshot:
         self.engines = body.engines
         self.created = body.created
 
-    def restore(self, index: PrefixIndex) -> None:
-        """Rebuild the snapshot's state in ``index``, which must hold no worker yet.
-        Its own settings (credits, caps, bounds) stay; node caps apply from here on."""
+    def restore(self, index: PrefixIndex, *, replace: bool = False) -> None:
+        """Rebuild the snapshot's state in ``index``, which must hold no worker yet unless
+        ``replace`` (then what it holds goes first). Its own settings (credits, caps,
+        bounds) stay; node caps apply from here on. A snapshot that cannot be restored
+        leaves the index empty (SnapshotError ``corrupt``)."""
         with index._lock:
-            if index._workers or index._models:
+            if replace:
+                index._clear()
+            elif index._workers or index._models:
                 raise ValueError("restore needs an empty index")
             try:
                 _restore(index, self.body)
             except (ValueError, IndexError, KeyError, TypeError, OverflowError, msgspec.DecodeError) as e:
-                _empty(index)
+                index._clear()
                 raise SnapshotError("corrupt", f"{type(e).__name__}: {e}") from None
 
     def workers(self) -> list[tuple[str, int, str, int | None]]:
@@ -504,25 +508,6 @@ node_index = getattr(_core, "node_index", None) or _py_node_index
 translate = getattr(_core, "translate", None) or _py_translate
 load_tree = getattr(_core, "load_tree", None) or _py_load_tree
 load_map = getattr(_core, "load_map", None) or _py_load_map
-
-
-def _empty(index: PrefixIndex) -> None:
-    """Undo a restore that failed half way: the index is as built, empty."""
-    for mo in index._models.values():
-        for tree in mo.trees.values():
-            tree.clear()
-    index._models.clear()
-    index._workers.clear()
-    index._idle_models.clear()
-    index._free_wids.clear()
-    index._next_wid = 0
-    index._tier_names[:] = ["GPU"]
-    index._tier_ids.clear()
-    index._tier_ids["GPU"] = 0
-    index._tier_cache.clear()
-    index._tier_cache[None] = 0
-    index._orphan_queue.clear()
-    index._orphans = 0
 
 
 def _restore(index: PrefixIndex, body: Body) -> None:

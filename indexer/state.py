@@ -213,13 +213,15 @@ class IndexState:
         self._workers: dict[tuple[str, int], _Worker] = {}
         self._free_wids: list[int] = []
         self._next_wid = 0
-        # Tier names <-> ids; GPU is 0. The cache maps raw (medium, ownership) to an id.
-        self._tier_names: list[str] = ["GPU"]
-        self._tier_ids: dict[str, int] = {"GPU": 0}
-        self._tier_cache: dict[Any, int] = {None: 0}  # medium or (medium, ownership) -> tier id
+        # Tier names <-> ids; GPU is 0 (set by _clear). The cache maps raw (medium,
+        # ownership) to an id.
+        self._tier_names: list[str] = []
+        self._tier_ids: dict[str, int] = {}
+        self._tier_cache: dict[Any, int] = {}  # medium or (medium, ownership) -> tier id
         # (t, wg, parent_hash, entry) in arrival order
         self._orphan_queue: deque[tuple[float, _WG, Hash, tuple[StoredEvent, int]]] = deque()
         self._orphans = 0
+        self._clear()
         self._counters: dict[str, int] = {}
         # {event type: {outcome: n}}; index 3 collects what the decoder ignored.
         self._events: list[dict[str, int]] = [{}, {}, {}, {}]
@@ -229,14 +231,26 @@ class IndexState:
     def close(self) -> None:
         """Free the whole index now (nodes are outside the cycle collector)."""
         with self._lock:
-            for m in self._models.values():
-                for tree in m.trees.values():
-                    tree.clear()
-                m.trees.clear()
-            self._models.clear()
-            self._workers.clear()
-            self._orphan_queue.clear()
-            self._orphans = 0
+            self._clear()
+
+    def _clear(self) -> None:
+        """Make the state empty, as built (the caller holds the lock): every tree freed, no
+        model, worker, orphan or tier but GPU, worker ids from 0. Counters are kept."""
+        for m in self._models.values():
+            for tree in m.trees.values():
+                tree.clear()
+        self._models.clear()
+        self._idle_models.clear()
+        self._workers.clear()
+        self._free_wids.clear()
+        self._next_wid = 0
+        self._tier_names[:] = ["GPU"]
+        self._tier_ids.clear()
+        self._tier_ids["GPU"] = GPU
+        self._tier_cache.clear()
+        self._tier_cache[None] = GPU
+        self._orphan_queue.clear()
+        self._orphans = 0
 
     def __del__(self) -> None:
         try:

@@ -140,6 +140,18 @@ def test_R_DUR_1_restore_needs_an_empty_index():
         loads(dumps(live)).restore(live)
 
 
+def test_R_DUR_1_restore_with_replace_drops_what_the_index_held_first():
+    """A JetStream replica reloading a newer snapshot: what it held goes, all of it."""
+    live = PrefixIndex()
+    _rich(live)
+    snap = loads(dumps(live))
+    other = PrefixIndex()
+    _feed(other, [], "z", [store(toks(7001, 6, 4), 4, 0, 6, medium="CPU")], 0, model="mz")
+    snap.restore(other, replace=True)
+    assert _answers(other) == _answers(live) and _sizes(other) == _sizes(live)
+    assert "mz" not in other.models() and {w["engine"] for w in other.workers()} == {"a", "b", "c"}
+
+
 # ------------------------------------------------------------------ the file
 
 
