@@ -129,11 +129,13 @@ class Service:
 
     def state_version(self) -> tuple[int, ...]:
         """Changes whenever a snapshot would differ: batches applied or dropped, workers'
-        stale marks and restarts, engines registered or removed (counters only, no lock)."""
-        ix = self.index
-        return (ix.counter("batches_applied"), ix.counter("stale_marked"), ix.counter("stale_cleared"),
-                ix.counter("restarts"), sum(self.ingest.changes.values()), len(ix._workers),
-                sum(ix._dropped.values()))
+        stale marks and restarts, engines registered or removed (from stats(): counters,
+        no tree walk; once a snapshot interval)."""
+        st = self.index.stats()
+        c = st["counters"]
+        return (c.get("batches_applied", 0), c.get("stale_marked", 0), c.get("stale_cleared", 0),
+                c.get("restarts", 0), sum(self.ingest.changes.values()), st["workers"],
+                sum(st["dropped_payloads"].values()))
 
     # ------------------------------------------------------------- transport
 

@@ -235,10 +235,8 @@ class Stream:
         if self.resumed and not self.replaying:
             self.resumed = False
             self.epoch += 1
-            if self.anchor_seq is not None:
-                self._replay(self.anchor_seq, None)
-                return
-            self.unproven = True
+            assert self.anchor_seq is not None  # resume() set it
+            self._replay(self.anchor_seq, None)
             return
         if self.last is not None or self.replaying:
             self.reconnects += 1
