@@ -41,7 +41,7 @@ from .auth import CLIENT, Auth, client_of, is_mutating
 from .common import ENC, JSON, HTTPError, off_loop, u64_keys
 from .metrics import Metrics
 from .settings import Settings
-from .state import StateCollector, StateKeeper
+from .state import StateKeeper
 
 log = logging.getLogger("kv_indexer.api")
 audit_log = logging.getLogger("kv_indexer.audit")
@@ -89,8 +89,7 @@ class Service:
         self.auth = Auth(settings.api_token, settings.auth_reads) if settings.api_token else None
         self.api_errors: dict[tuple[str, int], int] = {}
         self.metrics = Metrics(index, self.ingest, self.api_errors,
-                               self.auth.failures if self.auth is not None else None)
-        self.metrics.registry.register(StateCollector(self.state))
+                               self.auth.failures if self.auth is not None else None, self.state)
         self.routes: dict[str, _Route] = {}
         self.discovery = None
         d = settings.discovery

@@ -80,7 +80,8 @@ class _Histograms:
 class Metrics:
     """The registry of one app: histograms observed per query, the rest read on scrape."""
 
-    def __init__(self, index: Any, ingest: Any, api_errors: dict, auth_failures: dict | None = None) -> None:
+    def __init__(self, index: Any, ingest: Any, api_errors: dict, auth_failures: dict | None = None,
+                 state: Any = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.query_seconds = _Histograms(
             f"{NS}_query_duration_seconds", "Time to answer a query route, in the handler.", _LATENCY_BUCKETS)
@@ -88,7 +89,7 @@ class Metrics:
             f"{NS}_query_matched_blocks", "Longest prefix (blocks, all tiers) of the best worker per query.",
             _BLOCK_BUCKETS)
         self.registry.register(_IndexCollector(index, ingest, api_errors, (self.query_seconds, self.matched_blocks),
-                                               auth_failures))
+                                               auth_failures, state))
 
     def observe(self, route: str, seconds: float, blocks: int) -> None:
         self.query_seconds.observe(route, seconds)
@@ -97,8 +98,9 @@ class Metrics:
 
 class _IndexCollector:
     def __init__(self, index: Any, ingest: Any, api_errors: dict, histograms: tuple = (),
-                 auth_failures: dict | None = None) -> None:
+                 auth_failures: dict | None = None, state: Any = None) -> None:
         self.index = index
+        self.state = state  # api.state.StateKeeper: snapshots loaded and written
         self.ingest = ingest
         self.api_errors = api_errors  # {(route path, status): n}, kept by the app
         self.histograms = histograms
@@ -227,6 +229,30 @@ class _IndexCollector:
             yield h.family()
         if getattr(self.ingest, "counters", None) is not None:  # a JetStream replica (indexer.jetstream)
             yield from _jetstream(self.ingest)
+        if self.state is not None:
+            yield from _snapshots(self.state)
+
+
+def _snapshots(k: Any):
+    """kvi_snapshot_*: the state keeper's counters (api.state), read at scrape time."""
+    ld = CounterMetricFamily(f"{NS}_snapshot_loads", "Snapshots read at start, by source (state_dir, peer), "
+                             "outcome (ok, refused, error) and reason (magic, truncated, checksum, version, "
+                             "corrupt, io, connect, http, too_large).", labels=["source", "outcome", "reason"])
+    for (source, outcome, reason), n in sorted(k.loads.items()):
+        ld.add_metric([source, outcome, reason], n)
+    yield ld
+    wr = CounterMetricFamily(f"{NS}_snapshot_writes", "Snapshots written to the state dir, by outcome (ok, error; "
+                             "unchanged: an interval with nothing new, not written).", labels=["outcome"])
+    for outcome in ("ok", "error", "unchanged"):
+        wr.add_metric([outcome], k.writes.get(outcome, 0))
+    yield wr
+    yield GaugeMetricFamily(f"{NS}_snapshot_bytes", "Size of the last snapshot written.", value=k.last_bytes)
+    yield GaugeMetricFamily(f"{NS}_snapshot_dump_seconds", "Time the last snapshot took to read and encode "
+                            "(the index lock is held for the read: see docs/state.md).", value=k.last_dump_s)
+    yield GaugeMetricFamily(f"{NS}_snapshot_write_seconds", "Time the last snapshot's file write took.",
+                            value=k.last_write_s)
+    yield GaugeMetricFamily(f"{NS}_snapshot_last_success_timestamp_seconds",
+                            "Unix time of the last snapshot written (0: none yet).", value=k.last_ok_unix)
 
 
 def _jetstream(ing: Any):

@@ -22,8 +22,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
 from indexer.snapshot import Snapshot, SnapshotError, loads, write_atomic
 
 from .settings import Settings
@@ -183,33 +181,3 @@ class StateKeeper:
         if self.path is not None and self.write():
             log.info("state: wrote %s (%.1f MB) at shutdown", self.path, self.last_bytes / 1e6)
 
-
-class StateCollector:
-    """``kvi_snapshot_*``: the keeper's counters, read at scrape time."""
-
-    def __init__(self, keeper: StateKeeper) -> None:
-        self.keeper = keeper
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        k = self.keeper
-        ld = CounterMetricFamily("kvi_snapshot_loads", "Snapshots read at start, by source (state_dir, peer), "
-                                 "outcome (ok, refused, error) and reason (magic, truncated, checksum, version, "
-                                 "corrupt, io, connect, http, too_large).", labels=["source", "outcome", "reason"])
-        for (source, outcome, reason), n in sorted(k.loads.items()):
-            ld.add_metric([source, outcome, reason], n)
-        yield ld
-        wr = CounterMetricFamily("kvi_snapshot_writes", "Snapshots written to the state dir, by outcome (ok, error; "
-                                 "unchanged: an interval with nothing new, not written).", labels=["outcome"])
-        for outcome in ("ok", "error", "unchanged"):
-            wr.add_metric([outcome], k.writes.get(outcome, 0))
-        yield wr
-        yield GaugeMetricFamily("kvi_snapshot_bytes", "Size of the last snapshot written.", value=k.last_bytes)
-        yield GaugeMetricFamily("kvi_snapshot_dump_seconds", "Time the last snapshot took to read and encode "
-                                "(the index lock is held for the read: see docs/state.md).", value=k.last_dump_s)
-        yield GaugeMetricFamily("kvi_snapshot_write_seconds", "Time the last snapshot's file write took.",
-                                value=k.last_write_s)
-        yield GaugeMetricFamily("kvi_snapshot_last_success_timestamp_seconds",
-                                "Unix time of the last snapshot written (0: none yet).", value=k.last_ok_unix)

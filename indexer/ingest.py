@@ -217,7 +217,7 @@ class Indexer(ZmqTransport, Background, Queries):
     def snapshot(self, meta: dict[str, Any] | None = None) -> bytes:
         """The index and the engine registry as snapshot bytes (:mod:`indexer.snapshot`);
         one consistent cut under the index lock. Changes nothing."""
-        engines = [msgspec.to_builtins(c) for c in list(self._engines.values())]
+        engines = [msgspec.to_builtins(c) for c in self.engines()]
         return dumps(self.index, engines=engines, meta=meta)
 
     # ------------------------------------------------------------- public API
