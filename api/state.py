@@ -180,4 +180,3 @@ class StateKeeper:
             self._thread.join(timeout=60)
         if self.path is not None and self.write():
             log.info("state: wrote %s (%.1f MB) at shutdown", self.path, self.last_bytes / 1e6)
-
