@@ -144,6 +144,9 @@ class Indexer(ZmqTransport, Background, Queries):
         replays what it missed (R-DUR-2).
     """
 
+    # What each worker's Stream calls (a relay's publishes instead of applying).
+    _sink_class: type[_Sink] = _Sink
+
     def __init__(
         self,
         engines: Iterable[EngineConfig | dict[str, Any]] = (),
@@ -181,7 +184,7 @@ class Indexer(ZmqTransport, Background, Queries):
         self._wake_tx: zmq.Socket[bytes] | None = None
         self._replaying: set[Sub] = set()
         self.link: dict[tuple[str, int], tuple[bool, bool]] = {}
-        self._sink = _Sink(self)
+        self._sink = self._sink_class(self)
         self.error: str | None = None  # set if the ingest thread died (see ``running``)
         self.endpoint_policy = endpoint_policy
         # Engines' own load (vLLM /metrics), for those configured with a metrics_url.

@@ -27,7 +27,7 @@ import nats.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from .engines import EngineConfig, as_config
+from .engines import EngineConfig
 from .eventlog import DEFAULT_STREAM, DEFAULT_SUBJECT, DUPLICATE_WINDOW_S, connect, ensure_stream, headers
 from .ingest import Indexer, _Sink, _Sub
 from .sequencer import peek_ts
@@ -112,12 +112,12 @@ class Relay(Indexer):
         policy, ...).
     """
 
+    _sink_class = _RelaySink
+
     def __init__(self, engines: Iterable[EngineConfig | dict[str, Any]] = (), *, url: str,
                  stream: str = DEFAULT_STREAM, subject: str = DEFAULT_SUBJECT,
                  duplicate_window_s: float = DUPLICATE_WINDOW_S, max_pending: int = 100_000,
                  publish_timeout_s: float = 2.0, name: str = "kv-indexer-relay", **indexer_options: Any) -> None:
-        super().__init__((), **indexer_options)
-        self._sink = _RelaySink(self)
         self.url = url
         self.stream = stream
         self.subject = subject
@@ -139,8 +139,7 @@ class Relay(Indexer):
         self._nc: Client | None = None
         self._up: asyncio.Event | None = None
         self._done = asyncio.Event()  # made again on the loop's thread
-        for e in engines:
-            self._add(self._checked(as_config(e)), "config")
+        super().__init__(engines, **indexer_options)
 
     # ------------------------------------------------------------- lifecycle
 
