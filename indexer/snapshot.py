@@ -382,7 +382,12 @@ def _cut(index: PrefixIndex) -> dict[str, Any]:
             hashes, addrs, other = dump_map(wg.map)
             ends = [(tid, [id(n) for n in em], list(em.values())) for tid, em in wg.ends.items()]
             groups.append((g, hashes, addrs, other, list(wg.res), ends))
-        workers.append((w, None if w.last_apply is None else max(0.0, now - w.last_apply), dict(w.dropped), groups))
+        # The worker's record now (its fields change with the next batch); its groups'
+        # columns are translated to node indices after the lock.
+        workers.append((WorkerSnap(
+            w.wid, w.engine, w.dp_rank, w.model, w.last_seq, w.last_ts,
+            None if w.last_apply is None else max(0.0, now - w.last_apply), w.stale, w.stale_reason,
+            w.batches, w.restarts, w.gaps, dict(w.dropped), []), groups))
     orphans: list[OrphanSnap] = []
     for t, wg, ph, entry in index._orphan_queue:
         lst = wg.orphans.get(ph)
@@ -391,9 +396,7 @@ def _cut(index: PrefixIndex) -> dict[str, Any]:
         wid, g = wg_of[id(wg)]
         orphans.append(OrphanSnap(wid, g, ph, max(0.0, now - t), encode_stored(entry[0]), entry[1]))
     return {"models": models, "orphans": orphans, "created": time.time(), "tier_names": list(index._tier_names),
-            "next_wid": index._next_wid, "free_wids": list(index._free_wids),
-            "workers": [(w.wid, w.engine, w.dp_rank, w.model, w.last_seq, w.last_ts, age, w.stale, w.stale_reason,
-                         w.batches, w.restarts, w.gaps, dropped, groups) for w, age, dropped, groups in workers]}
+            "next_wid": index._next_wid, "free_wids": list(index._free_wids), "workers": workers}
 
 
 def _assemble(cut: dict[str, Any], engines: list[dict[str, Any]], meta: dict[str, Any]) -> Body:
@@ -418,8 +421,8 @@ def _assemble(cut: dict[str, Any], engines: list[dict[str, Any]], meta: dict[str
                                   stamps, clock))
         models.append(ModelSnap(name, trees, tiered, idle))
     workers: list[WorkerSnap] = []
-    for *fields, groups_raw in cut["workers"]:
-        model = fields[3]
+    for ws, groups_raw in cut["workers"]:
+        model = ws.model
         groups = []
         for g, hashes, addrs, other_raw, res, ends_raw in groups_raw:
             pos = where.get((model, g))
@@ -441,7 +444,7 @@ def _assemble(cut: dict[str, Any], engines: list[dict[str, Any]], meta: dict[str
                             nb.append(n)
                     ends.append((tid, _le(ni), _le(nb)))
             groups.append(GroupSnap(g, hashes, idx, other, res, ends))
-        workers.append(WorkerSnap(*fields, groups))  # type: ignore[call-arg]  # the fields _cut read, in order
+        workers.append(msgspec.structs.replace(ws, groups=groups))
     return Body(created=cut["created"], tier_names=cut["tier_names"], next_wid=cut["next_wid"],
                 free_wids=cut["free_wids"], models=models, workers=workers, orphans=cut["orphans"],
                 engines=engines, meta=meta)
