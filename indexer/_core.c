@@ -142,6 +142,26 @@ map_resize(U64Map *m, Py_ssize_t newcap)
     return 0;
 }
 
+/* Hint the cache with the home slot of each int key in items[0:n] (others skipped). */
+static inline void
+map_prefetch(U64Map *m, PyObject *const *items, Py_ssize_t n)
+{
+    if (m->cap == 0)
+        return;
+    size_t mask = (size_t)m->cap - 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = items[i];
+        if (!PyLong_CheckExact(k))
+            continue;
+        unsigned long long v = PyLong_AsUnsignedLongLong(k);
+        if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear(); /* negative or too big: map_lookup sends it to the dict */
+            continue;
+        }
+        __builtin_prefetch(&m->slots[(size_t)mix64((uint64_t)v) & mask]);
+    }
+}
+
 /* Store (k, v) (a new reference is taken); replaces an existing value. */
 static int
 map_put(U64Map *m, uint64_t k, PyObject *v)
@@ -803,6 +823,18 @@ insert_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_ssize_t created = 0, added = 0;
+    /* The worker's map is the one table this loop probes per block, at a random
+     * slot each time (a cache miss on any map past a few MB): grow it once for the
+     * whole event, then prefetch every block's home slot, so the misses overlap
+     * instead of stalling one after the other. */
+    if ((wmap->used + n) * 4 > wmap->cap * 3) {
+        Py_ssize_t nc = wmap->cap ? wmap->cap : 4;
+        while ((wmap->used + n) * 4 > nc * 3)
+            nc *= 2;
+        if (map_resize(wmap, nc) < 0)
+            return NULL;
+    }
+    map_prefetch(wmap, &PyList_GET_ITEM(hashes, 0), n);
     Py_INCREF(parent);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *h = PyList_GET_ITEM(hashes, i);

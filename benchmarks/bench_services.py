@@ -1,0 +1,454 @@
+"""Our service and NVIDIA Dynamo's standalone indexer, side by side, as their users run them.
+
+Both servers are started as users start them: ``kv-indexer serve`` (``python -m api.cli
+serve``: one uvicorn worker, defaults) and ``python -m dynamo.indexer`` from
+``.venv-dynamo`` (ai-dynamo-runtime, its defaults: 4 indexer threads), neither pinned
+to a CPU. They take turns (one server alive at a time; odd runs in reverse order), each
+in a fresh process, on the same frames and the same queries.
+
+**Workload** (``--entries`` N, ``--workers`` W, 64 blocks of 16 tokens a sequence): each
+of W engines caches N / (64 W) sequences of 1,024 tokens; every 10th sequence is
+identical on all engines, the others are the engine's own. One engine publishes each
+sequence as one vLLM 0.33 ``BlockStored`` batch of 64 blocks with its token ids (no
+parent), one event per message, as an engine that computed a whole prompt in one step
+does. Engine block hashes are arbitrary 64-bit values (neither side uses them for
+matching). Token ids are uniform in [0, 32000). Frames go out over real ZMQ PUB sockets
+on 127.0.0.1 (one per engine, vLLM's three frames), round robin over the engines.
+
+**What is measured** (``--mode ingest``, the default), per server and run:
+
+* *ingest*: from the first frame sent until every engine's **last** sequence is fully
+  matched through the server's own query route (``POST /query``, polled; an answer,
+  not a counter). blocks/s = stored blocks / that time.
+* *memory*: RSS growth of the server's whole process tree (the process and its
+  children, from ``/proc``) from just before the first frame to 1 s after the last
+  sequence matched, per resident (engine, block) entry.
+* *query*: ``--calls`` keep-alive ``POST /query`` of 1,024 tokens that every engine
+  holds whole (the most work per answer) over one ``http.client`` connection, after
+  ``--warmup``: median and p99 of the round trip. Both servers get the same body on
+  the same route (ours implements Dynamo's ``/query``; ``--our-route /v1/match``
+  measures our native route instead).
+* *answers*: ``--agree`` queries (full hits on shared and own sequences, a shared
+  512-token prefix then a new tail, misses), each engine's matched GPU tokens compared
+  between the servers: they must be identical.
+
+Figures are medians over ``--runs`` (default 3) fresh runs with min-max, and the ratio
+ours/Dynamo of the medians. ``--json FILE`` also writes every run's figures.
+
+``--mode load``: query latency under sustained ingest. Each server gets the workload
+first (as above), then ``--rates`` paced ingest rates (blocks/s over all engines, new
+sequences) while one client sends ``/query`` back to back for ``--seconds``: p50/p99.
+
+Many engines: ``--workers 256`` (the query prompt is held whole by every engine, so each
+answer names all 256).
+
+    .venv/bin/python benchmarks/bench_services.py --entries 1500000 --runs 3
+    .venv/bin/python benchmarks/bench_services.py --mode load --entries 1000000 --rates 50000 150000 300000
+    .venv/bin/python benchmarks/bench_services.py --workers 256 --entries 1000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import http.client
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+from _report import DYNAMO_PY, ROOT, machine, peer_available, percentile, table  # noqa: E402
+
+from indexer.producer.events import Stored, encode_batch  # noqa: E402
+from indexer.producer.publisher import VllmPublisher  # noqa: E402
+
+BLOCKS, BLOCK_SIZE, VOCAB = 64, 16, 32000
+TOKENS = BLOCKS * BLOCK_SIZE
+
+
+# ----------------------------------------------------------------------- workload
+
+
+class Workload:
+    """Per engine, its sequences' token rows and vLLM payloads (built once, reused by every run)."""
+
+    def __init__(self, entries: int, workers: int, seed: int = 7) -> None:
+        self.workers = workers
+        self.seqs = max(2, entries // (BLOCKS * workers))
+        self.entries = self.seqs * workers * BLOCKS
+        rng = np.random.default_rng(seed)
+        self.shared = rng.integers(0, VOCAB, size=(self.seqs // 10 + 1, TOKENS), dtype=np.uint16)
+        self.own = [np.random.default_rng((seed, w)).integers(0, VOCAB, size=(self.seqs, TOKENS), dtype=np.uint16)
+                    for w in range(workers)]
+        self.payloads: list[list[bytes]] = []
+        for w in range(workers):
+            pls = []
+            for s in range(self.seqs):
+                shared = s % 10 == 0
+                toks = self.tokens(w, s)
+                base = (1 << 62) | (s << 7) if shared else ((w + 1) << 40) | (s << 7)
+                ev = Stored(block_hashes=list(range(base, base + BLOCKS)), parent_block_hash=None, token_ids=toks,
+                            block_size=BLOCK_SIZE, medium="GPU", group_idx=0, kv_cache_spec_kind="full_attention")
+                pls.append(encode_batch([ev], ts=1767225600.0 + s, dp_rank=0, version="0.33"))
+            self.payloads.append(pls)
+        # The last sequence of each engine is its own (never a shared one), so "matched" means
+        # that engine's last batch is applied.
+        self.last = [self.seqs - 1 if (self.seqs - 1) % 10 else self.seqs - 2 for _ in range(workers)]
+
+    def tokens(self, w: int, s: int) -> list[int]:
+        return (self.shared[s // 10] if s % 10 == 0 else self.own[w][s]).tolist()
+
+    def interleaved(self):
+        """(engine, payload), round robin over the engines."""
+        for s in range(self.seqs):
+            for w in range(self.workers):
+                yield w, self.payloads[w][s]
+
+    def agreement_queries(self, n: int, seed: int = 11) -> list[list[int]]:
+        rng = np.random.default_rng(seed)
+        out = []
+        for k in range(n):
+            kind = k % 4
+            w, s = int(rng.integers(self.workers)), int(rng.integers(self.seqs))
+            if kind == 0:
+                out.append(self.shared[s // 10].tolist())
+            elif kind == 1:
+                out.append(self.tokens(w, s))
+            elif kind == 2:
+                out.append(self.tokens(w, s)[:512] + rng.integers(0, VOCAB, 512).tolist())
+            else:
+                out.append(rng.integers(0, VOCAB, TOKENS).tolist())
+        return out
+
+
+# ----------------------------------------------------------------------- servers
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Client:
+    """One keep-alive JSON connection (http.client: the cheapest Python client per call)."""
+
+    def __init__(self, port: int) -> None:
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+
+    def call(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+        self.conn.request(method, path, body, {"content-type": "application/json"})
+        r = self.conn.getresponse()
+        return r.status, r.read()
+
+
+def wait_http(port: int, path: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+            c.request("GET", path)
+            if c.getresponse().status < 500:
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"nothing answered on port {port}{path}")
+
+
+def start(kind: str, port: int) -> subprocess.Popen:
+    """A server as its users start it: defaults, no CPU pinning."""
+    if kind == "ours":
+        env = dict(os.environ, KVI_LOG_LEVEL="warning")
+        p = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", "--port", str(port)], cwd=ROOT, env=env)
+        wait_http(port, "/healthz")
+    else:
+        p = subprocess.Popen([str(DYNAMO_PY), "-m", "dynamo.indexer", "--port", str(port)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_http(port, "/health")
+    return p
+
+
+def tree_rss(pid: int) -> int:
+    """RSS of ``pid`` and all its descendants, bytes."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo.extend(children.get(p, ()))
+        try:
+            with open(f"/proc/{p}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+def query_body(tokens: list[int]) -> bytes:
+    return json.dumps({"token_ids": tokens, "model_name": "default"}).encode()
+
+
+def matched(client: Client, path: str, body: bytes) -> dict[int, int]:
+    """Matched GPU tokens per engine (instance id) for one query."""
+    status, raw = client.call("POST", path, body)
+    if status != 200:
+        raise RuntimeError(f"{path} answered {status}: {raw[:200]!r}")
+    doc = json.loads(raw)
+    if "instances" in doc:  # Dynamo's /query shape (ours on /query too)
+        return {int(k): v["gpu"] for k, v in doc["instances"].items() if v["gpu"]}
+    return {int(w["engine"]): w["tiers"].get("GPU", 0) * BLOCK_SIZE for w in doc["workers"] if w["tiers"].get("GPU")}
+
+
+def register(client: Client, pubs: list[VllmPublisher]) -> None:
+    for i, pub in enumerate(pubs):
+        body = json.dumps({"instance_id": i, "endpoint": pub.live_endpoint, "model_name": "default",
+                           "block_size": BLOCK_SIZE}).encode()
+        status, raw = client.call("POST", "/register", body)
+        if status >= 300:
+            raise RuntimeError(f"/register answered {status}: {raw!r}")
+
+
+def latency_us(client: Client, path: str, body: bytes, calls: int, warmup: int) -> tuple[float, float]:
+    for _ in range(warmup):
+        client.call("POST", path, body)
+    ns = []
+    pc = time.perf_counter_ns
+    for _ in range(calls):
+        t0 = pc()
+        status, _ = client.call("POST", path, body)
+        ns.append(pc() - t0)
+        if status != 200:
+            raise RuntimeError(f"{path} answered {status}")
+    ns.sort()
+    return percentile(ns, 50) / 1000, percentile(ns, 99) / 1000
+
+
+def ingest(client: Client, pubs: list[VllmPublisher], wl: Workload, path: str, timeout: float = 900) -> float:
+    """Publish the whole workload; seconds until every engine's last sequence fully matches."""
+    last = {w: query_body(wl.tokens(w, wl.last[w])) for w in range(wl.workers)}
+    t0 = time.perf_counter()
+    for w, payload in wl.interleaved():
+        pubs[w].publish_payload(payload)
+    deadline = time.monotonic() + timeout
+    while last and time.monotonic() < deadline:
+        for w in list(last):
+            if matched(client, path, last[w]).get(w) == TOKENS:
+                del last[w]
+        if last:
+            time.sleep(0.002)
+    if last:
+        raise RuntimeError(f"engines {sorted(last)} not fully matched after {timeout} s")
+    return time.perf_counter() - t0
+
+
+# ----------------------------------------------------------------------- modes
+
+
+def run_ingest(args, wl: Workload, kinds: list[str]) -> dict:
+    body = query_body(wl.shared[0].tolist())  # sequence 0 is shared: held whole by every engine
+    agree = [query_body(t) for t in wl.agreement_queries(args.agree)]
+    runs: dict[str, list[dict]] = {k: [] for k in kinds}
+    answers: dict[str, list] = {}
+    for r in range(args.runs):
+        for kind in (kinds if r % 2 == 0 else kinds[::-1]):
+            port = free_port()
+            srv = start(kind, port)
+            pubs = [VllmPublisher("tcp://127.0.0.1:*", hwm=0) for _ in range(wl.workers)]
+            path = args.our_route if kind == "ours" else "/query"
+            try:
+                c = Client(port)
+                register(c, pubs)
+                time.sleep(1.0)  # the SUB sockets connect before the first frame (PUB drops otherwise)
+                gc.collect()
+                rss0 = tree_rss(srv.pid)
+                secs = ingest(c, pubs, wl, path)
+                time.sleep(1.0)
+                grown = tree_rss(srv.pid) - rss0
+                got = [matched(c, path, b) for b in agree]
+                base = answers.setdefault("first", got)
+                same = sum(a == b for a, b in zip(got, base))
+                med, p99 = latency_us(c, path, body, args.calls, args.warmup)
+                fig = {"ingest_s": secs, "blocks_per_s": wl.entries / secs, "rss_growth": grown,
+                       "bytes_per_entry": grown / wl.entries, "query_median_us": med, "query_p99_us": p99,
+                       "answers_equal": same, "answers": len(agree)}
+                runs[kind].append(fig)
+                print(f"[run {r + 1} {kind:6}] ingest {secs:6.2f} s ({fig['blocks_per_s']:,.0f} blocks/s), "
+                      f"{fig['bytes_per_entry']:.1f} B/entry, query median {med:.1f} us p99 {p99:.1f} us, "
+                      f"answers equal {same}/{len(agree)}", flush=True)
+            finally:
+                for pub in pubs:
+                    pub.close()
+                srv.terminate()
+                srv.wait(30)
+    return runs
+
+
+def summarize(runs: dict[str, list[dict]], keys: list[tuple[str, str, bool]]) -> list[list]:
+    """Rows: figure, per server median [min-max], ratio ours/Dynamo of the medians."""
+    rows = []
+    for key, label, _higher_better in keys:
+        row = [label]
+        meds = {}
+        for kind, figs in runs.items():
+            xs = [f[key] for f in figs]
+            meds[kind] = statistics.median(xs)
+            row.append(f"{_num(meds[kind])} [{_num(min(xs))}-{_num(max(xs))}]")
+        if "ours" in meds and "dynamo" in meds and meds["dynamo"]:
+            row.append(f"{meds['ours'] / meds['dynamo']:.2f}x")
+        rows.append(row)
+    return rows
+
+
+def _num(x: float) -> str:
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}"
+
+
+def _paced(pubs: list[VllmPublisher], payloads: list[tuple[int, bytes]], rate_blocks: float, stop) -> int:
+    """Publish ``payloads`` round robin at ``rate_blocks`` blocks/s until done or ``stop``; returns batches sent."""
+    per_s = rate_blocks / BLOCKS
+    t0 = time.perf_counter()
+    for n, (w, payload) in enumerate(payloads):
+        if stop.is_set():
+            return n
+        due = t0 + n / per_s
+        now = time.perf_counter()
+        if due > now:
+            time.sleep(due - now)
+        pubs[w].publish_payload(payload)
+    return len(payloads)
+
+
+def run_load(args, wl: Workload, extra: Workload, kinds: list[str]) -> dict:
+    """Query p50/p99 while ``extra``'s sequences stream in at each rate (after ``wl`` is loaded)."""
+    body = query_body(wl.shared[0].tolist())
+    out: dict[str, dict[int, list[tuple[float, float, float]]]] = {k: {} for k in kinds}
+    stream = list(extra.interleaved())
+    for r in range(args.runs):
+        for kind in (kinds if r % 2 == 0 else kinds[::-1]):
+            port = free_port()
+            srv = start(kind, port)
+            pubs = [VllmPublisher("tcp://127.0.0.1:*", hwm=0) for _ in range(wl.workers)]
+            path = args.our_route if kind == "ours" else "/query"
+            try:
+                c = Client(port)
+                register(c, pubs)
+                time.sleep(1.0)
+                ingest(c, pubs, wl, path)
+                pos = 0
+                for rate in args.rates:
+                    n = int(rate / BLOCKS * args.seconds)
+                    chunk = stream[pos:pos + n]
+                    pos += n
+                    stop = threading.Event()
+                    t = threading.Thread(target=_paced, args=(pubs, chunk, rate, stop), daemon=True)
+                    ns = []
+                    pc = time.perf_counter_ns
+                    for _ in range(50):
+                        c.call("POST", path, body)
+                    t.start()
+                    end = time.perf_counter() + args.seconds
+                    while time.perf_counter() < end and t.is_alive():
+                        t0 = pc()
+                        c.call("POST", path, body)
+                        ns.append(pc() - t0)
+                    stop.set()
+                    t.join()
+                    ns.sort()
+                    got = (percentile(ns, 50) / 1000, percentile(ns, 99) / 1000, len(ns))
+                    out[kind].setdefault(rate, []).append(got)
+                    print(f"[run {r + 1} {kind:6}] ingest {rate:,} blocks/s: query p50 {got[0]:.1f} us "
+                          f"p99 {got[1]:.1f} us ({got[2]} queries)", flush=True)
+                    time.sleep(1.0)
+            finally:
+                for pub in pubs:
+                    pub.close()
+                srv.terminate()
+                srv.wait(30)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mode", choices=["ingest", "load"], default="ingest")
+    ap.add_argument("--entries", type=float, nargs="+", default=[1.5e6])
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--calls", type=int, default=1000)
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--agree", type=int, default=400)
+    ap.add_argument("--our-route", default="/query", help="our query route: /query (Dynamo's shape) or /v1/match")
+    ap.add_argument("--rates", type=int, nargs="+", default=[50_000, 150_000, 300_000, 600_000])
+    ap.add_argument("--seconds", type=float, default=5.0, help="--mode load: seconds per rate")
+    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--json", help="write every run's figures to this file")
+    args = ap.parse_args()
+    kinds = ["ours"] + ([] if args.no_peer or not peer_available() else ["dynamo"])
+    print(f"# services side by side: {', '.join(kinds)}; {machine()}")
+    print(f"# command: {' '.join([Path(sys.executable).name] + sys.argv)}")
+    print("# ours: python -m api.cli serve --port P (defaults); Dynamo: python -m dynamo.indexer --port P "
+          "(defaults: --threads 4); neither pinned\n", flush=True)
+    gc.freeze()
+    report: dict = {"mode": args.mode, "machine": machine(), "argv": sys.argv, "results": []}
+    for entries in args.entries:
+        t = time.perf_counter()
+        wl = Workload(int(entries), args.workers)
+        print(f"## {wl.entries:,} entries: {args.workers} engines x {wl.seqs:,} sequences x {BLOCKS} blocks, "
+              f"one 64-block BlockStored per message (workload built in {time.perf_counter() - t:.1f} s)", flush=True)
+        if args.mode == "load":
+            rate_total = sum(args.rates) * args.seconds * 1.2
+            extra = Workload(int(rate_total), args.workers, seed=99)
+            res = run_load(args, wl, extra, kinds)
+            rows = []
+            for rate in args.rates:
+                row: list = [f"{rate:,}"]
+                meds = {}
+                for kind in kinds:
+                    got = res[kind][rate]
+                    p50 = statistics.median(g[0] for g in got)
+                    p99s = [g[1] for g in got]
+                    meds[kind] = statistics.median(p99s)
+                    row += [f"{p50:.1f}", f"{meds[kind]:.1f} [{min(p99s):.1f}-{max(p99s):.1f}]"]
+                if len(kinds) == 2:
+                    row.append(f"{meds['ours'] / meds['dynamo']:.2f}x")
+                rows.append(row)
+            heads = ["ingest blocks/s"] + [h for k in kinds for h in (f"{k} p50 us", f"{k} p99 us [min-max]")]
+            print(table(heads + (["p99 ours/Dynamo"] if len(kinds) == 2 else []), rows,
+                        f"query latency under paced ingest, medians of {args.runs} runs"), flush=True)
+            report["results"].append({"entries": wl.entries, "load": {k: {str(r): v for r, v in d.items()}
+                                                                      for k, d in res.items()}})
+            continue
+        runs = run_ingest(args, wl, kinds)
+        keys = [("blocks_per_s", "ingest blocks/s", True), ("bytes_per_entry", "RSS growth B/entry", False),
+                ("query_median_us", "query median us", False), ("query_p99_us", "query p99 us", False),
+                ("ingest_s", "ingest s", False)]
+        print(table(["figure"] + [f"{k} median [min-max]" for k in kinds] + (["ours/Dynamo"] if len(kinds) == 2
+                                                                               else []),
+                    summarize(runs, keys), f"{wl.entries:,} entries, {args.workers} engines, medians of "
+                    f"{args.runs} runs; answers equal on {min(f['answers_equal'] for v in runs.values() for f in v)}"
+                    f"/{args.agree} queries in every run"), flush=True)
+        report["results"].append({"entries": wl.entries, "workers": args.workers, "runs": runs})
+        del wl
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
