@@ -36,7 +36,7 @@ from indexer.keys import split_json_tokens
 from indexer.route import Load
 from indexer.snapshot import SnapshotError
 
-from . import dynamo, schemas
+from . import dynamo, schemas, ui
 from .auth import CLIENT, Auth, client_of, is_mutating
 from .common import ENC, JSON, HTTPError, off_loop, u64_keys
 from .metrics import Metrics
@@ -91,6 +91,7 @@ class Service:
         self.metrics = Metrics(index, self.ingest, self.api_errors,
                                self.auth.failures if self.auth is not None else None, self.state)
         self.routes: dict[str, _Route] = {}
+        self.decisions = ui.Decisions()  # recent routing decisions, for the page (api/ui.py)
         self.discovery = None
         d = settings.discovery
         if d is not None and not settings.nats_url:  # a replica's engines are the relay's
@@ -209,6 +210,8 @@ class Service:
         except LookupError as e:  # no candidate at all
             raise HTTPError(404, str(e)) from None
         self.metrics.observe("/v1/route", time.perf_counter() - t0, out["ranked"][0]["cached_blocks"])
+        toks: Any = q.token_ids  # list, or their uint32 bytes (the fast decode)
+        self.decisions.add(t0, len(toks) >> 2 if toks.__class__ is bytes else len(toks), out)
         return 200, out
 
     async def route_done(self, request_id: str) -> tuple[int, Any]:
@@ -599,6 +602,7 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
         return Response(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     dynamo.add_routes(app, svc, json_route)
+    ui.add_routes(app, svc, json_route)
 
     schema_types = list(schemas.REQUEST_TYPES.values()) + list(schemas.RESPONSE_TYPES.values())
     _, components = msgspec.json.schema_components(schema_types, ref_template="#/components/schemas/{name}")

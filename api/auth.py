@@ -3,7 +3,8 @@
 With ``api_token`` set, every mutating route needs ``Authorization: Bearer <token>``:
 engine register and unregister (ours and Dynamo's) and the state snapshot. With
 ``auth_reads`` every other route needs it too, but the probes (a kubelet sends no
-token). A missing token is 401 (with ``WWW-Authenticate``), a wrong one 403.
+token) and the live page's static files (``PAGE``: no data in them). A missing token
+is 401 (with ``WWW-Authenticate``), a wrong one 403.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ MUTATING = frozenset({("POST", "/v1/engines"), ("POST", "/register"), ("POST", "
                       ("GET", "/v1/snapshot")})
 # Liveness and readiness probes: never behind the token.
 PROBES = frozenset({"/healthz", "/readyz", "/health"})
+# The live page's static files (api/ui.py): they hold no data, and a browser cannot send
+# a bearer header on a navigation; the page then sends the token on its own requests
+# (/ui/state, /v1/explain), which need it like every other read.
+PAGE = frozenset({"/ui", "/ui/app.js", "/ui/app.css"})
 
 # Who made the request being handled: "HOST:PORT (token|no token configured)", for the
 # audit log of the handlers (set per request on the non-hot path only).
@@ -50,7 +55,7 @@ class Auth:
     def needs_token(self, method: str, path: str) -> bool:
         if is_mutating(method, path):
             return True
-        return self.auth_reads and path not in PROBES
+        return self.auth_reads and path not in PROBES and not (method == "GET" and path in PAGE)
 
     def refuse(self, scope: MutableMapping[str, Any]) -> tuple[int, str, list[tuple[bytes, bytes]]] | None:
         """None when the request may go on; else ``(status, message, extra headers)``."""

@@ -321,7 +321,7 @@ def serve(settings: Settings) -> None:
 
     logging.config.dictConfig(log_config(settings))
     _fd_limit(settings.max_workers)
-    fleet = None
+    fleet = router = None
     index = None
     if settings.demo:
         if settings.state_dir or settings.bootstrap_from:
@@ -333,8 +333,10 @@ def serve(settings: Settings) -> None:
             import msgspec
 
             settings = msgspec.structs.replace(settings, state_dir=None, bootstrap_from=None)
-        settings, index, fleet = start_demo(settings)
+        settings, index, fleet, router = start_demo(settings)
     app = create_app(settings, index)
+    if router is not None:
+        router.svc = app.state.service  # its decisions and timings, for the live page (/ui)
     try:
         _run(uvicorn, app, settings)
     finally:
@@ -344,12 +346,14 @@ def serve(settings: Settings) -> None:
 
 def start_demo(settings: Settings):
     """A simulated fleet on 127.0.0.1 replaying the trace (routed by this index), its
-    engines added to the settings. Returns (settings, index, fleet)."""
+    engines added to the settings. Returns (settings, index, fleet, router)."""
     import msgspec
 
     from indexer import PrefixIndex
     from indexer.engines import EngineConfig
-    from indexer.producer.sim import Fleet, IndexRouter
+    from indexer.producer.sim import Fleet
+
+    from .ui import demo_router
 
     # A replay ring of 200 batches per worker covers the start-up (a late join is repaired
     # from it) without holding ~90 KB per served request for long.
@@ -362,10 +366,11 @@ def start_demo(settings: Settings):
         for r in c.ranks:
             index.register_worker(c.id, r, model=c.model)
     source, what, _ = demo_requests(settings.demo_speedup)
-    fleet.run(source, IndexRouter(index), loop=True)
+    router = demo_router(index)
+    fleet.run(source, router, loop=True)
     logging.getLogger("kv_indexer.demo").info(
         "demo: %d simulated engines x %d DP ranks replaying %s", settings.demo_engines, settings.demo_dp_size, what)
-    return settings, index, fleet
+    return settings, index, fleet, router
 
 
 def demo_requests(speedup: float = 10.0):

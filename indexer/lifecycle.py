@@ -133,11 +133,14 @@ class Lifecycle(Removal):
             out = []
             for (engine, rank), w in sorted(self._workers.items()):
                 res: dict[str, int] = {}
-                for wg in w.groups.values():
+                by_group: dict[str, dict[str, int]] = {}
+                for g, wg in w.groups.items():
+                    gd = by_group[str(g)] = {}
                     for tid, c in enumerate(wg.res):
                         if c:
                             name = self._tier_names[tid]
                             res[name] = res.get(name, 0) + c
+                            gd[name] = c
                 out.append({
                     "engine": engine,
                     "dp_rank": rank,
@@ -151,6 +154,7 @@ class Lifecycle(Removal):
                     "restarts": w.restarts,
                     "dropped": dict(w.dropped),
                     "resident_blocks": res,
+                    "resident_by_group": by_group,  # KV-cache group -> tier -> blocks
                     "orphans": sum(len(v) for wg in w.groups.values() for v in wg.orphans.values()),
                     "in_flight": self._in_flight_of((engine, rank)),
                 })

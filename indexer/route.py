@@ -151,6 +151,9 @@ def route(
         "score": -best[2] + 0.0,
         "cost": best[1],
         "reason": reason,
+        # The chosen worker's announced blocks per tier (as /v1/match's "tiers"): the
+        # cached part of the cost split (one small dict: the tiers the worker holds).
+        "tiers": best[6].tiers if best[6] is not None else {},
         "ranked": [
             {"worker": name, "engine": e, "dp_rank": r, "score": -ns + 0.0,
              "cached_blocks": wm.total_blocks if wm is not None else 0, "predicted_blocks": pb, "cost": cost,
