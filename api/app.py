@@ -36,7 +36,7 @@ from indexer.keys import split_json_tokens
 from indexer.route import Load
 from indexer.snapshot import SnapshotError
 
-from . import dynamo, schemas, ui
+from . import dynamo, schemas, text, ui
 from .auth import CLIENT, Auth, client_of, is_mutating
 from .common import ENC, JSON, HTTPError, off_loop, u64_keys
 from .metrics import Metrics
@@ -91,6 +91,8 @@ class Service:
         self.metrics = Metrics(index, self.ingest, self.api_errors,
                                self.auth.failures if self.auth is not None else None, self.state)
         self.routes: dict[str, _Route] = {}
+        # Each model's tokenizer (prompt / messages requests), loaded now: a bad directory stops the start.
+        self.text = text.Texts(dict(settings.tokenizers), settings.max_request_tokens, index)
         self.decisions = ui.Decisions()  # recent routing decisions, for the page (api/ui.py)
         self.discovery = None
         d = settings.discovery
@@ -183,9 +185,12 @@ class Service:
     # --------------------------------------------------------------- queries
 
     async def match(self, q: schemas.MatchRequest):
+        if q.token_ids is None:  # a prompt or messages (R-TXT): tokenized off the loop
+            q = await self.text.resolve(q)
         self.check_tokens(q.token_ids)
         t0 = time.perf_counter()
-        res = self.index.match(q.token_ids, model=q.model, lora_name=q.lora_name, cache_salt=q.cache_salt)
+        res = self.index.match(q.token_ids, model=q.model, lora_name=q.lora_name,  # type: ignore[arg-type]  # set above
+                               cache_salt=q.cache_salt)
         return self.answer("/v1/match", t0, res)
 
     async def match_by_keys(self, q: schemas.MatchByKeysRequest):
@@ -195,11 +200,14 @@ class Service:
         return self.answer("/v1/match_by_keys", t0, res)
 
     async def route_request(self, q: schemas.RouteRequest):
+        if q.token_ids is None:  # a prompt or messages (R-TXT): tokenized off the loop
+            q = await self.text.resolve(q)
         self.check_tokens(q.token_ids)
         t0 = time.perf_counter()
         try:
             out = self.index.route(
-                q.token_ids, model=q.model, lora_name=q.lora_name, cache_salt=q.cache_salt,
+                q.token_ids, model=q.model, lora_name=q.lora_name,  # type: ignore[arg-type]  # set above
+                cache_salt=q.cache_salt,
                 load={k: Load(v.active_prefill_tokens, v.active_decode_blocks) for k, v in q.load.items()},
                 candidates=q.candidates, prefill_load_scale=self.settings.prefill_load_scale, link=self.ingest.link,
                 record=q.record, max_tokens=q.max_tokens)
@@ -498,6 +506,7 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
             if svc.discovery is not None:
                 await off_loop(svc.discovery.stop)
             await svc.ingest.astop()
+            svc.text.close()
             await off_loop(svc.state.final)  # after ingest stopped: the last state exactly
 
     app = _App(
@@ -602,6 +611,7 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
         return Response(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     dynamo.add_routes(app, svc, json_route)
+    text.add_routes(app, svc, json_route)
     ui.add_routes(app, svc, json_route)
 
     schema_types = list(schemas.REQUEST_TYPES.values()) + list(schemas.RESPONSE_TYPES.values())
@@ -613,6 +623,7 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
         components[name]["properties"][field]["maxItems"] = settings.max_request_tokens
         if field != "token_ids":  # msgspec bounds stop at int64; u64_keys checks the top
             components[name]["properties"][field]["items"]["maximum"] = 2**64 - 1
+    text.document(components)  # exactly one of token_ids, prompt, messages (R-TXT-3)
 
     def openapi() -> dict:
         if app.openapi_schema is None:

@@ -19,7 +19,9 @@ import gc
 import json
 import logging
 import logging.config
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -73,6 +75,8 @@ _HELP = {
     "demo_engines": "demo: simulated engines",
     "demo_dp_size": "demo: DP ranks per engine",
     "demo_speedup": "demo: divide the trace's timestamps by this (synthetic requests: 3.3 x this per second)",
+    "tokenizers": "per model, a Hugging Face tokenizer directory ({MODEL: DIR}; JSON in the environment): "
+    "requests may send a prompt or chat messages instead of token ids (needs the text extra)",
 }
 
 _EPILOG = """\
@@ -182,6 +186,8 @@ def build_parser(prog: str = "kv-indexer") -> argparse.ArgumentParser:
     s.add_argument("--nats", dest="nats_url", metavar="URL", help=_HELP["nats_url"])
     s.add_argument("--demo", action="store_true", default=None, help=_HELP["demo"])
     s.add_argument("--demo-speedup", type=float, help=_HELP["demo_speedup"])
+    s.add_argument("--tokenizer", action="append", metavar="MODEL=DIR",
+                   help="may be given several times (replaces the configured map): " + _HELP["tokenizers"])
     s.add_argument("--check", action="store_true", help="validate the settings, print them as JSON and exit")
 
     r = sub.add_parser(
@@ -334,7 +340,15 @@ def serve(settings: Settings) -> None:
 
             settings = msgspec.structs.replace(settings, state_dir=None, bootstrap_from=None)
         settings, index, fleet, router = start_demo(settings)
-    app = create_app(settings, index)
+    from indexer.text import TokenizerLoadError
+
+    try:
+        app = create_app(settings, index)
+    except TokenizerLoadError as e:  # a tokenizer directory that cannot be read: named, like a bad setting
+        if fleet is not None:
+            fleet.close()
+        print(f"kv-indexer: setting 'tokenizers': {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     if router is not None:
         router.svc = app.state.service  # its decisions and timings, for the live page (/ui)
     try:
@@ -361,6 +375,7 @@ def start_demo(settings: Settings):
                   blocks_per_chunk=16, buffer_steps=200)
     engines = settings.engines + tuple(EngineConfig(**c) for c in fleet.engine_configs())
     settings = msgspec.structs.replace(settings, engines=engines)
+    settings = _demo_tokenizer(settings, {c.model for c in engines})
     index = PrefixIndex(**settings.index_options())
     for c in engines:  # known before the first event, so the router can pick them
         for r in c.ranks:
@@ -371,6 +386,26 @@ def start_demo(settings: Settings):
     logging.getLogger("kv_indexer.demo").info(
         "demo: %d simulated engines x %d DP ranks replaying %s", settings.demo_engines, settings.demo_dp_size, what)
     return settings, index, fleet, router
+
+
+def _demo_tokenizer(settings: Settings, models: set[str]) -> Settings:
+    """The demo's models get a small tokenizer built now (indexer/producer/tokenizer.py),
+    so prompt and messages requests work against it; not without the text extra."""
+    import msgspec
+
+    from indexer.producer import tokenizer
+
+    missing = sorted(models - set(settings.tokenizers))
+    if not missing:
+        return settings
+    path = tokenizer.build(os.path.join(tempfile.mkdtemp(prefix="kvi-demo-"), "tokenizer"))
+    log = logging.getLogger("kv_indexer.demo")
+    if path is None:
+        log.info("demo: no tokenizer (install the text extra for prompt/messages requests): token_ids only")
+        return settings
+    log.info("demo: tokenizer for model(s) %s built at %s (prompt and messages requests work)",
+             ", ".join(missing), path)
+    return msgspec.structs.replace(settings, tokenizers={**settings.tokenizers, **dict.fromkeys(missing, path)})
 
 
 def demo_requests(speedup: float = 10.0):
@@ -492,6 +527,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "bootstrap_from": args.bootstrap_from,
         "nats_url": args.nats_url,
     }
+    if args.tokenizer:
+        pairs = [t.partition("=") for t in args.tokenizer]
+        bad = [t for t, (m, eq, d) in zip(args.tokenizer, pairs) if not (m and eq and d)]
+        if bad:
+            print(f"{args.prog}: --tokenizer {bad[0]!r}: expected MODEL=DIR", file=sys.stderr)
+            return 2
+        overrides["tokenizers"] = {m: d for m, _, d in pairs}
     settings = _settings(args, overrides)
     if not isinstance(settings, Settings):
         return settings

@@ -38,13 +38,63 @@ class _Req(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     pass
 
 
-class MatchRequest(_Req, frozen=True):
-    """Longest-prefix match of a prompt (contract R-Q-1)."""
+# --- Text prompts (issue 18, R-TXT-3): a request carries exactly one of token_ids,
+# prompt and messages; the text ones are tokenized with the model's tokenizer (api/text.py).
+TEXT_FIELDS = ("prompt", "messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+TEXT_PART_TYPES = ("text",)
 
-    token_ids: Annotated[list[TokenId], Meta(min_length=1)]
+
+class ContentPart(msgspec.Struct, frozen=True, kw_only=True):
+    """One part of a message's content. Other fields are let through to the check below, so a
+    non-text part (image_url, input_audio, ...) gets a 422 saying so, not "unknown field"."""
+
+    type: Annotated[str, Meta(max_length=64)]
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """An OpenAI chat message with text content: a string, null, or text parts."""
+
+    role: Name
+    content: str | list[ContentPart] | None = None
+    name: Name | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.content, list):
+            for i, p in enumerate(self.content):
+                if p.type not in TEXT_PART_TYPES:
+                    raise ValueError(f"content[{i}] is a {p.type!r} part: only text parts "
+                                     "({\"type\": \"text\", \"text\": ...}) are supported, multimodal prompts are not")
+
+
+def _one_prompt(q: Any) -> None:
+    given = [n for n in ("token_ids", "prompt", "messages") if getattr(q, n) is not None]
+    if len(given) != 1:
+        raise ValueError("give exactly one of token_ids, prompt (text) and messages (chat)"
+                         + (f", not {' and '.join(given)}" if given else ""))
+    if q.messages is None:
+        extra = [n for n in TEXT_FIELDS[2:] if getattr(q, n) is not None]
+        if extra:
+            raise ValueError(f"{', '.join(extra)} only apply to messages")
+
+
+class MatchRequest(_Req, frozen=True):
+    """Longest-prefix match of a prompt (contract R-Q-1): token ids, or text (R-TXT)."""
+
+    token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
     model: Name | None = None
     lora_name: Name | None = None
     cache_salt: CacheSalt | None = None
+    # A completions prompt (tokenized with special tokens, as vLLM's /v1/completions does).
+    prompt: Annotated[str, Meta(min_length=1)] | None = None
+    # Chat messages (rendered with the model's chat template, as vLLM's /v1/chat/completions).
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    add_generation_prompt: bool | None = None  # messages only; default true
+    continue_final_message: bool | None = None  # messages only; default false
+    chat_template_kwargs: dict[str, Any] | None = None  # messages only: extra template variables
+
+    def __post_init__(self) -> None:
+        _one_prompt(self)
 
 
 class MatchByKeysRequest(_Req, frozen=True):
@@ -62,7 +112,7 @@ class WorkerLoad(_Req, frozen=True):
 class RouteRequest(_Req, frozen=True):
     """Best replica for a request: the match, plus optional load and candidates."""
 
-    token_ids: Annotated[list[TokenId], Meta(min_length=1)]
+    token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
     model: Name | None = None
     lora_name: Name | None = None
     cache_salt: CacheSalt | None = None
@@ -74,6 +124,33 @@ class RouteRequest(_Req, frozen=True):
     # Tokens the request may generate: its decode blocks count as load until
     # POST /v1/route/{request_id}/done (or decode_ttl_s).
     max_tokens: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None = None
+    prompt: Annotated[str, Meta(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        _one_prompt(self)
+
+
+class TokenizeRequest(_Req, frozen=True):
+    """Tokenize a prompt or chat messages as the model's vLLM would (for debugging)."""
+
+    model: Name | None = None
+    prompt: Annotated[str, Meta(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt (text) and messages (chat)")
+        if self.messages is None:
+            extra = [n for n in TEXT_FIELDS[2:] if getattr(self, n) is not None]
+            if extra:
+                raise ValueError(f"{', '.join(extra)} only apply to messages")
 
 
 class EngineRequest(_Req, frozen=True):
@@ -196,6 +273,16 @@ class EngineOut(msgspec.Struct):
     metrics_url: str | None
 
 
+class TokenizeResponse(msgspec.Struct):
+    model: str
+    token_ids: list[int]
+    count: int
+    # The text that was encoded: the rendered chat template, or the prompt.
+    text: str
+    # Whether the tokenizer added its special tokens (prompt: yes; messages: no, the template writes them).
+    add_special_tokens: bool
+
+
 class ErrorResponse(msgspec.Struct):
     detail: str
 
@@ -228,7 +315,9 @@ def tokens_twin(cls: type[msgspec.Struct]) -> type[msgspec.Struct] | None:
         return None
     spec: list = [("token_ids", Any, None)]
     for f in fields:
-        if f.name == "token_ids":
+        # A body with token_ids and a text field is refused by the full type (_one_prompt);
+        # the twin does not know them, so such a body goes the typed way.
+        if f.name == "token_ids" or f.name in TEXT_FIELDS:
             continue
         if f.default is not msgspec.NODEFAULT:
             spec.append((f.name, f.type, f.default))
@@ -244,6 +333,7 @@ REQUEST_TYPES: dict[str, Any] = {
     "MatchRequest": MatchRequest,
     "MatchByKeysRequest": MatchByKeysRequest,
     "RouteRequest": RouteRequest,
+    "TokenizeRequest": TokenizeRequest,
     "EngineRequest": EngineRequest,
     "DynRegister": DynRegister,
     "DynUnregister": DynUnregister,
@@ -254,6 +344,7 @@ RESPONSE_TYPES: dict[str, Any] = {
     "MatchResponse": MatchResponse,
     "RouteResponse": RouteResponse,
     "DoneOut": DoneOut,
+    "TokenizeResponse": TokenizeResponse,
     "ErrorResponse": ErrorResponse,
     "EngineOut": EngineOut,
     "DynQueryResponse": DynQueryResponse,

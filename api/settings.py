@@ -126,6 +126,9 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     demo_engines: int = 4
     demo_dp_size: int = 2
     demo_speedup: float = 10.0
+    # Per model, a Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json with
+    # its chat_template): requests may then send a prompt or chat messages instead of token ids.
+    tokenizers: dict[str, str] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         def bad(name: str, msg: str) -> None:
@@ -190,6 +193,14 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
             bad("allowed_endpoints", str(err).removeprefix("allowed_endpoints: "))
         if self.log_level.lower() not in ("critical", "error", "warning", "info", "debug"):
             bad("log_level", f"must be one of critical, error, warning, info, debug; got {self.log_level!r}")
+        for model, path in self.tokenizers.items():
+            # Read in full when the app is built (indexer.text); what is missing is said here.
+            if not model:
+                bad("tokenizers", "model names must not be empty")
+            if not os.path.isdir(path):
+                bad("tokenizers", f"model {model!r}: {path} is not a directory")
+            if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+                bad("tokenizers", f"model {model!r}: no tokenizer.json in {path} (a Hugging Face tokenizer directory)")
         seen: dict[tuple[str, int], str] = {}
         for e in self.engines:
             for r in e.ranks:
@@ -225,7 +236,7 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 
 FIELDS = Settings.__struct_fields__
 # Settings whose environment value is JSON (the rest are scalars, parsed by type).
-_JSON_FIELDS = ("engines", "credits", "discovery")
+_JSON_FIELDS = ("engines", "credits", "discovery", "tokenizers")
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
