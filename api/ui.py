@@ -25,15 +25,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Query
 from fastapi.responses import Response
 
 from indexer.explain import explain
 
 from . import schemas
-from .common import ENC, JSON
+from .common import ENC, JSON, HTTPError
 
 STATIC = Path(__file__).with_name("static")
 # The page's files: path -> (file, content type). Static, holding no data: served
@@ -187,8 +187,9 @@ def _quantile(q: float, counts: list[int], bounds: tuple[float, ...]) -> float |
     return bounds[-1] * 1e6
 
 
-def state(svc: Any) -> dict[str, Any]:
-    """What ``GET /ui/state`` answers (counters only)."""
+def state(svc: Any, decisions_model: str | None = None) -> dict[str, Any]:
+    """What ``GET /ui/state`` answers (counters only); the recent decisions of
+    ``decisions_model`` only, when given."""
     st = svc.index.stats()
     workers = svc.ingest.workers()
     models = st["models"]
@@ -201,7 +202,8 @@ def state(svc: Any) -> dict[str, Any]:
     by_model: dict[str, list[dict]] = {}
     for w in workers:
         by_model.setdefault(w.get("model", "?"), []).append(w)
-    recent = list(svc.decisions.ring)[-SHOWN_DECISIONS:]
+    recent = [d for d in list(svc.decisions.ring) if decisions_model is None or d[2] == decisions_model]
+    recent = recent[-SHOWN_DECISIONS:]
     now_perf, now = time.perf_counter(), time.time()
     decisions = []
     for d in reversed(recent):
@@ -247,10 +249,15 @@ def add_routes(app: FastAPI, svc: Any, json_route: Any) -> None:
 
     @app.get("/ui/state", tags=["ui"], summary="What the live page shows: workers, models, over-time samples and "
              "recent routing decisions (counters only: no tree is walked)")
-    async def ui_state() -> Response:
-        return Response(ENC.encode(state(svc)), media_type=JSON)
+    async def ui_state(decisions_model: Annotated[str | None, Query(max_length=256)] = None) -> Response:
+        return Response(ENC.encode(state(svc, decisions_model)), media_type=JSON)
 
     async def explain_prompt(q: schemas.MatchRequest):
+        if getattr(q, "token_ids", None) is None:  # a text prompt (issue 18): the model's tokenizer
+            text = getattr(svc, "text", None)
+            if text is None:
+                raise HTTPError(422, "token_ids are required: this service tokenizes no text")
+            q = await text.resolve(q)
         svc.check_tokens(q.token_ids)
         return 200, explain(svc.index, q.token_ids, model=q.model, lora_name=q.lora_name, cache_salt=q.cache_salt)
 

@@ -144,6 +144,13 @@
     });
     $("#models tbody").innerHTML = rows.join("");
     $("#model-names").innerHTML = Object.keys(st.models).map((m) => `<option value="${esc(m)}">`).join("");
+    const sel = $("#decisions-model");
+    const want = ["", ...Object.keys(st.models)];
+    if ([...sel.options].map((o) => o.value).join("\n") !== want.join("\n")) {
+      const cur = sel.value;
+      sel.innerHTML = want.map((m) => `<option value="${esc(m)}">${m ? esc(m) : "all models"}</option>`).join("");
+      sel.value = want.includes(cur) ? cur : "";
+    }
   }
 
   function renderDecisions(st) {
@@ -257,7 +264,8 @@
     const started = performance.now();
     let delay = 1000;
     try {
-      const st = await api("/ui/state");
+      const dm = $("#decisions-model").value;
+      const st = await api("/ui/state" + (dm ? "?decisions_model=" + encodeURIComponent(dm) : ""));
       lastState = st;
       renderSummary(st);
       renderWorkers(st);
@@ -288,11 +296,10 @@
       if (!Array.isArray(ids)) throw new Error('expected a JSON array or {"token_ids": [...]}');
       return { ids, model: Array.isArray(v) ? null : v.model };
     }
-    const ids = t.split(/[\s,]+/).filter(Boolean).map((x) => {
-      if (!/^\d+$/.test(x)) throw new Error(`not a token id: ${x}`);
-      return Number(x);
-    });
-    return { ids, model: null };
+    const words = t.split(/[\s,]+/).filter(Boolean);
+    if (words.every((x) => /^\d+$/.test(x))) return { ids: words.map(Number), model: null };
+    // Anything else is text: the service tokenizes it with the model's tokenizer (when configured).
+    return { text: t, model: null };
   }
 
   function renderExplain(x) {
@@ -332,7 +339,7 @@
     err.hidden = true;
     try {
       const p = parseTokens($("#explain-tokens").value);
-      const body = { token_ids: p.ids };
+      const body = p.ids ? { token_ids: p.ids } : { prompt: p.text };
       const model = $("#explain-model").value.trim() || p.model;
       if (model) body.model = model;
       if ($("#explain-lora").value.trim()) body.lora_name = $("#explain-lora").value.trim();
@@ -346,6 +353,7 @@
     }
   });
 
+  $("#decisions-model").addEventListener("change", () => poll());
   window.addEventListener("resize", () => { if (lastState) renderCharts(lastState); });
   poll();
 })();
