@@ -258,8 +258,9 @@ def add_routes(app: FastAPI, svc: Any, json_route: Any) -> None:
             if text is None:
                 raise HTTPError(422, "token_ids are required: this service tokenizes no text")
             q = await text.resolve(q)
-        svc.check_tokens(q.token_ids)
-        return 200, explain(svc.index, q.token_ids, model=q.model, lora_name=q.lora_name, cache_salt=q.cache_salt)
+        tokens: Any = q.token_ids  # a list, or their uint32 bytes (the fast decode)
+        svc.check_tokens(tokens)
+        return 200, explain(svc.index, tokens, model=q.model, lora_name=q.lora_name, cache_salt=q.cache_salt)
 
     json_route("/v1/explain", schemas.MatchRequest, explain_prompt, ok=None,
                summary="One prompt block by block: per worker, the tiers holding each block, the tier it would be "
