@@ -248,6 +248,8 @@ class RouteResponse(msgspec.Struct):
     score: float
     cost: float
     reason: str
+    # The chosen worker's announced blocks per tier (as /v1/match's "tiers").
+    tiers: dict[str, int]
     ranked: list[RankedOut]
     # Keys of "load" that named no candidate (well-formed, but no such worker).
     unused_load: list[str]
