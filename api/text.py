@@ -119,17 +119,26 @@ def document(components: dict[str, Any]) -> None:
     chat fields only with messages), text parts only, refused template kwargs."""
     from indexer.chat import REFUSED_KWARGS
 
-    chat_only = {n: False for n in schemas.TEXT_FIELDS[2:]}
+    # A field sent as null counts as not sent (msgspec's None), so "absent" is {"type": "null"}.
+    null = {"type": "null"}
+    chat_only = {n: null for n in schemas.TEXT_FIELDS[2:]}
+    tokens, prompt, messages = {"type": "array"}, {"type": "string"}, {"type": "array"}
+    # continue_final_message needs add_generation_prompt false (it defaults to true), as in vLLM.
+    continuing_and_prompting = {"required": ["continue_final_message"], "properties": {
+        "continue_final_message": {"const": True}, "add_generation_prompt": {"not": {"const": False}}}}
     for name in ("MatchRequest", "RouteRequest"):
-        c = components[name]
-        c["oneOf"] = [
-            {"required": ["token_ids"], "properties": {"prompt": False, "messages": False, **chat_only}},
-            {"required": ["prompt"], "properties": {"token_ids": False, "messages": False, **chat_only}},
-            {"required": ["messages"], "properties": {"token_ids": False, "prompt": False}},
+        components[name]["oneOf"] = [
+            {"required": ["token_ids"], "properties": {"token_ids": tokens, "prompt": null, "messages": null,
+                                                       **chat_only}},
+            {"required": ["prompt"], "properties": {"prompt": prompt, "token_ids": null, "messages": null,
+                                                    **chat_only}},
+            {"required": ["messages"], "properties": {"messages": messages, "token_ids": null, "prompt": null},
+             "not": continuing_and_prompting},
         ]
     components["TokenizeRequest"]["oneOf"] = [
-        {"required": ["prompt"], "properties": {"messages": False, **chat_only}},
-        {"required": ["messages"], "properties": {"prompt": False}},
+        {"required": ["prompt"], "properties": {"prompt": prompt, "messages": null, **chat_only}},
+        {"required": ["messages"], "properties": {"messages": messages, "prompt": null},
+         "not": continuing_and_prompting},
     ]
     components["ContentPart"]["properties"]["type"] = {"const": "text"}
     components["ContentPart"]["properties"]["text"] = {"type": "string"}

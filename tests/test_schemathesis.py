@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, seed, settings
 
 from api.app import create_app
 from api.settings import Settings
+import textkit
 from evkit import store, toks
 from indexer.producer.publisher import VllmPublisher
 from svc import Server, wait_for, wait_subscribed
@@ -27,8 +28,11 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
-def base_url():
-    s = Server("--max-request-tokens", str(MAX_TOKENS), env={"KVI_API_TOKEN": TOKEN})
+def base_url(tmp_path_factory):
+    # The model has a tokenizer (a ChatML one built here), so generated prompt and messages
+    # requests reach the text path too (R-TXT-3).
+    tok = textkit.build("chatml", str(tmp_path_factory.mktemp("tok")))
+    s = Server("--max-request-tokens", str(MAX_TOKENS), "--tokenizer", f"default={tok}", env={"KVI_API_TOKEN": TOKEN})
     pub = VllmPublisher("tcp://127.0.0.1:*", hwm=0)
     try:
         # One engine with blocks, so generated queries also reach the match path.
