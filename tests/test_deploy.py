@@ -67,6 +67,13 @@ def state_examples() -> list[dict]:
     return [d for n in (1, 2, 3) for d in yaml.safe_load_all(state_block(n, "renders")) if d]
 
 
+def monitoring_examples() -> list[dict]:
+    """docs/deploy.md's monitoring example (section 6): what the dashboard and alert switches
+    render (the dashboard's JSON abbreviated there)."""
+    (block,) = [b for b in yaml_blocks() if b.startswith("# Monitoring renders\n")]
+    return [d for d in yaml.safe_load_all(block) if d]
+
+
 def secure_pod_fragment() -> str:
     """What the docs say the Deployment's pod template gains with a token."""
     return next(b for b in yaml_blocks() if "KVI_API_TOKEN_FILE" in b and "kind:" not in b)
@@ -381,6 +388,7 @@ class Chart:
     """The chart's templates, parsed once; :meth:`render` evaluates them for given values."""
 
     def __init__(self, path=CHART) -> None:
+        self.path = path
         meta = yaml.safe_load((path / "Chart.yaml").read_text())
         self.chart = {"Name": meta["name"], "Version": meta["version"], "AppVersion": meta["appVersion"]}
         self.base = f"{meta['name']}/templates"
@@ -397,9 +405,18 @@ class Chart:
         out = {}
         for name in self.files:
             root = {"Values": values, "Chart": self.chart, "Template": {"BasePath": self.base, "Name": name},
-                    "Release": {"Name": release, "Namespace": namespace, "Service": "Helm"}}
+                    "Release": {"Name": release, "Namespace": namespace, "Service": "Helm"},
+                    "Files": {"Get": self._file}}
             out[name.rsplit("/", 1)[1]] = self._include(name, root, root)
         return out
+
+    def _file(self, name: str) -> str:
+        """``.Files.Get``: a file of the chart outside templates/ (helm gives "" for a missing
+        one; refused here, so a wrong path fails the tests)."""
+        p = self.path / name
+        if name.startswith("templates/") or not p.is_file():
+            raise TemplateError(f".Files.Get: no file {name!r} in the chart")
+        return p.read_text()
 
     def _include(self, name: str, dot, root) -> str:
         if name not in self.defines:
@@ -450,9 +467,13 @@ class Chart:
     def _cmd(self, cmd: list, dot, scope: dict, piped):
         head = cmd[0]
         if head[0] != "ident":
+            target = self._operand(head, dot, scope)
+            if callable(target):  # a method of the root object: .Files.Get
+                args = [self._operand(a, dot, scope) for a in cmd[1:]]
+                return target(*args, *(() if piped is _MISSING else (piped,)))
             if len(cmd) > 1 or piped is not _MISSING:
                 raise TemplateError(f"{head[1]!r} is not a function")
-            return self._operand(head, dot, scope)
+            return target
         args = [self._operand(a, dot, scope) for a in cmd[1:]]
         if piped is not _MISSING:
             args.append(piped)
@@ -542,7 +563,8 @@ def test_chart_and_values_parse_with_what_helm_needs():
     assert {p.name for p in TEMPLATES} == {"configmap.yaml", "deployment.yaml", "service.yaml",
                                           "servicemonitor.yaml", "pdb.yaml", "secret.yaml", "networkpolicy.yaml",
                                           "pvc.yaml", "service-peers.yaml", "relay.yaml", "pdb-relay.yaml",
-                                          "networkpolicy-relay.yaml"}
+                                          "networkpolicy-relay.yaml", "grafana-dashboard.yaml",
+                                          "prometheusrule.yaml"}
     assert (CHART / "templates" / "NOTES.txt").exists() and (CHART / "templates" / "_helpers.tpl").exists()
 
 
@@ -566,7 +588,7 @@ def test_the_hand_rendered_example_has_the_templates_shape():
     secure = [d for d in yaml.safe_load_all(secure_example()) if d]
     assert {d["kind"] for d in secure} == {"Secret", "ConfigMap", "ServiceMonitor", "NetworkPolicy"}
     example_paths: dict[str, set[str]] = {}
-    for d in docs + secure + state_examples():
+    for d in docs + secure + state_examples() + monitoring_examples():
         example_paths.setdefault(d["kind"], set()).update(
             key_paths(yaml.safe_dump(d, sort_keys=False, default_flow_style=False)))
     for t in TEMPLATES:
@@ -1084,5 +1106,5 @@ def test_deploy_doc_names_the_vllm_flags_and_alerts(doc):
                    "networkPolicy.engineEgress", "networkPolicy.ingressFrom", "SECURITY:", "kv_indexer.audit",
                    "kvi_engine_changes_total", "kvi_auth_failures_total", "ready_fraction", "/v1/workers"):
         assert needle in text, needle
-    rules = next(b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "groups:" in b)
-    assert yaml.safe_load(rules)["groups"][0]["rules"]
+    (rule,) = [d for d in monitoring_examples() if d["kind"] == "PrometheusRule"]
+    assert rule["spec"]["groups"][0]["rules"]
