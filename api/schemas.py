@@ -317,9 +317,12 @@ def tokens_twin(cls: type[msgspec.Struct]) -> type[msgspec.Struct] | None:
         return None
     spec: list = [("token_ids", Any, None)]
     for f in fields:
-        # A body with token_ids and a text field is refused by the full type (_one_prompt);
-        # the twin does not know them, so such a body goes the typed way.
-        if f.name == "token_ids" or f.name in TEXT_FIELDS:
+        if f.name == "token_ids":
+            continue
+        if f.name in TEXT_FIELDS:
+            # Null only: a body with token_ids and a text field fails the twin and goes the
+            # typed way, whose _one_prompt refuses it with the full message.
+            spec.append((f.name, None, None))
             continue
         if f.default is not msgspec.NODEFAULT:
             spec.append((f.name, f.type, f.default))

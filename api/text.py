@@ -127,6 +127,13 @@ def document(components: dict[str, Any]) -> None:
     continuing_and_prompting = {"required": ["continue_final_message"], "properties": {
         "continue_final_message": {"const": True}, "add_generation_prompt": {"not": {"const": False}}}}
     for name in ("MatchRequest", "RouteRequest"):
+        # token_ids may now be null: the size bound create_app set belongs on the array.
+        prop = components[name]["properties"]["token_ids"]
+        if "maxItems" in prop and "anyOf" in prop:
+            bound = prop.pop("maxItems")
+            for alt in prop["anyOf"]:
+                if alt.get("type") == "array":
+                    alt["maxItems"] = bound
         components[name]["oneOf"] = [
             {"required": ["token_ids"], "properties": {"token_ids": tokens, "prompt": null, "messages": null,
                                                        **chat_only}},

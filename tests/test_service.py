@@ -70,6 +70,8 @@ def test_health_openapi_docs_and_metrics_path(api):
     body = spec["paths"]["/v1/match"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": "#/components/schemas/MatchRequest"}
     tok = spec["components"]["schemas"]["MatchRequest"]["properties"]["token_ids"]
+    tok = next(a for a in tok.get("anyOf", [tok]) if a.get("type") == "array")  # or a prompt, messages (R-TXT-3)
+    assert tok["maxItems"] >= 1  # max_request_tokens (R-BAD-2)
     assert tok["items"]["maximum"] == 2**32 - 1 and tok["minItems"] == 1
     st, html = api.get("/docs")
     assert st == 200 and "swagger" in html.lower()
