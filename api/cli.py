@@ -385,9 +385,16 @@ def _run(uvicorn, app, settings: Settings) -> None:
     # Everything loaded so far (modules, the app, settings) lives as long as the
     # process: out of the cycle collector's view, a full collection walks only what
     # requests and ingest create (the index's nodes and maps are never tracked).
+    try:  # the hot routes answered by the HTTP protocol itself (api/http1.py)
+        from .http1 import bind
+
+        http: Any = bind(app)
+    except ImportError:  # no httptools: uvicorn's own choice
+        http = "auto"
     gc.freeze()
     uvicorn.run(
         app,
+        http=http,
         host=settings.host,
         port=settings.port,
         workers=1,  # the index lives in this process
