@@ -17,7 +17,6 @@ through whole resident CPU chunks (Dynamo: through any resident block), ``disk``
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
