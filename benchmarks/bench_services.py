@@ -265,6 +265,7 @@ def ingest(client: Client, pubs: list[VllmPublisher], wl: Workload, path: str, t
 def run_ingest(args, wl: Workload, kinds: list[str]) -> dict:
     body = query_body(wl.shared[0].tolist())  # sequence 0 is shared: held whole by every engine
     agree = [query_body(t) for t in wl.agreement_queries(args.agree)]
+    route_body = json.dumps({"token_ids": wl.shared[0].tolist(), "model": "default"}).encode()
     runs: dict[str, list[dict]] = {k: [] for k in kinds}
     answers: dict[str, list] = {}
     for r in range(args.runs):
@@ -289,6 +290,9 @@ def run_ingest(args, wl: Workload, kinds: list[str]) -> dict:
                 fig = {"ingest_s": secs, "blocks_per_s": wl.entries / secs, "rss_growth": grown,
                        "bytes_per_entry": grown / wl.entries, "query_median_us": med, "query_p99_us": p99,
                        "answers_equal": same, "answers": len(agree)}
+                if kind == "ours":  # routing (cache, in-flight load, predictions): no Dynamo twin
+                    fig["route_median_us"], fig["route_p99_us"] = latency_us(c, "/v1/route", route_body,
+                                                                             args.calls, args.warmup)
                 runs[kind].append(fig)
                 print(f"[run {r + 1} {kind:6}] ingest {secs:6.2f} s ({fig['blocks_per_s']:,.0f} blocks/s), "
                       f"{fig['bytes_per_entry']:.1f} B/entry, query median {med:.1f} us p99 {p99:.1f} us, "
@@ -308,7 +312,10 @@ def summarize(runs: dict[str, list[dict]], keys: list[tuple[str, str, bool]]) ->
         row = [label]
         meds = {}
         for kind, figs in runs.items():
-            xs = [f[key] for f in figs]
+            xs = [f[key] for f in figs if key in f]
+            if not xs:
+                row.append("-")
+                continue
             meds[kind] = statistics.median(xs)
             row.append(f"{_num(meds[kind])} [{_num(min(xs))}-{_num(max(xs))}]")
         if "ours" in meds and "dynamo" in meds and meds["dynamo"]:
@@ -439,6 +446,9 @@ def main() -> None:
         keys = [("blocks_per_s", "ingest blocks/s", True), ("bytes_per_entry", "RSS growth B/entry", False),
                 ("query_median_us", "query median us", False), ("query_p99_us", "query p99 us", False),
                 ("ingest_s", "ingest s", False)]
+        if args.calls:
+            keys += [("route_median_us", "our /v1/route median us", False),
+                     ("route_p99_us", "our /v1/route p99 us", False)]
         print(table(["figure"] + [f"{k} median [min-max]" for k in kinds] + (["ours/Dynamo"] if len(kinds) == 2
                                                                                else []),
                     summarize(runs, keys), f"{wl.entries:,} entries, {args.workers} engines, medians of "
