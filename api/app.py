@@ -145,6 +145,13 @@ class Service:
         """Read, decode, handle and encode one request; every failure is a counted 4xx."""
         try:
             body = await _read_body(scope, receive, self.settings.max_request_bytes)
+        except HTTPError as e:
+            return self.refused(route, e.status, e.detail)
+        return await self.serve_body(route, body)
+
+    async def serve_body(self, route: _Route, body: bytes) -> tuple[int, bytes]:
+        """Decode, handle and encode one request whose body is read; every failure is a counted 4xx."""
+        try:
             req = _decode(route, body) if route.decoder is not None else None
             status, out = await route.handler(req)
             return status, out if isinstance(out, bytes) else ENC.encode(out)
@@ -161,6 +168,10 @@ class Service:
         except Exception:  # a bug: say so, count it, keep serving
             log.exception("internal error in %s", route.path)
             status, detail = 500, "internal error"
+        return self.refused(route, status, detail)
+
+    def refused(self, route: _Route, status: int, detail: str) -> tuple[int, bytes]:
+        """Count an error answer of ``route`` and return its body."""
         key = (route.path, status)
         self.api_errors[key] = self.api_errors.get(key, 0) + 1
         return status, error_body(detail, route.error_key)

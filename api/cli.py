@@ -421,13 +421,29 @@ def demo_requests(speedup: float = 10.0):
             False)
 
 
+SWITCH_INTERVAL_S = 0.0005
+
+
 def _run(uvicorn, app, settings: Settings) -> None:
     # Everything loaded so far (modules, the app, settings) lives as long as the
     # process: out of the cycle collector's view, a full collection walks only what
     # requests and ingest create (the index's nodes and maps are never tracked).
+    try:  # the hot routes answered by the HTTP protocol itself (api/http1.py)
+        from .http1 import bind
+
+        http: Any = bind(app)
+    except ImportError:  # no httptools: uvicorn's own choice
+        http = "auto"
+    # Queries (the event loop thread) and ingest (its own thread) share the GIL. A thread
+    # that wants it waits until the holder blocks or the switch interval (5 ms by
+    # default) runs out: under sustained ingest that wait was the query p99 (2.7 ms at
+    # 150k blocks/s, bench_services.py --mode load). 0.5 ms bounds it; the cost, a GIL
+    # handoff per 0.5 ms while both threads run, is within noise for ingest.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     gc.freeze()
     uvicorn.run(
         app,
+        http=http,
         host=settings.host,
         port=settings.port,
         workers=1,  # the index lives in this process

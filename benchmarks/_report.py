@@ -147,10 +147,11 @@ def header(what: str, args) -> None:
 
 def add_cpu_argument(parser) -> None:
     parser.add_argument(
-        "--cpu", type=int, default=0,
-        help="pin ours and the Dynamo peer to this CPU (default 0; -1 = no pinning). Dynamo's "
-             "binding hops to a background thread per call; on an idle VM that hop costs ~35 us "
-             "more when the thread wakes on another CPU, so unpinned peer figures are bimodal",
+        "--cpu", type=int, default=-1,
+        help="pin ours and the Dynamo peer to this CPU (default -1: no pinning, as users run both). "
+             "Dynamo's binding hops to a background thread per call: pinned to one CPU, that thread "
+             "and the caller share it, which handicaps the peer; unpinned peer figures can be bimodal "
+             "(~35 us more when the thread wakes on another CPU), so use medians of several runs",
     )
 
 

@@ -2,7 +2,7 @@
 
 What is measured:
 
-* a real ``kv-indexer serve`` process (uvicorn, one worker, pinned to ``--cpu``) fed
+* a real ``kv-indexer serve`` process (uvicorn, one worker; pinned only with ``--cpu``) fed
   over real ZMQ by one ``VllmPublisher`` per engine with the anchor workload
   (``workload.py``: ``--workers`` engines x ``--seqs`` sequences, plus two 512-block
   sequences per engine so 8,192-token prompts hit in full), engines registered over
@@ -16,7 +16,7 @@ What is measured:
 * the alternatives: the same server with the ASGI fast path (default) and with plain
   FastAPI routing (``KVI_FAST_PATH=false``);
 * ``--peer``: NVIDIA Dynamo's standalone indexer (``python -m dynamo.indexer`` from
-  ``.venv-dynamo``) subscribed to the same publishers, ``POST /query`` with the same
+  ``.venv-dynamo``, its defaults, never pinned) subscribed to the same publishers, ``POST /query`` with the same
   prompts through the same client, and the ratio;
 * ``--rounds`` (default 3): the servers take turns, one at a time, ``--rounds``
   times (fresh process and ingest each turn; odd rounds in reverse order); each
@@ -101,10 +101,11 @@ def start_ours(port: int, cpu: int, fast: bool) -> subprocess.Popen:
     return p
 
 
-def start_dynamo(port: int, cpu: int) -> subprocess.Popen:
-    cmd = [str(DYNAMO_PY), "-m", "dynamo.indexer", "--port", str(port), "--threads", "1"]
-    if cpu >= 0:
-        cmd = ["taskset", "-c", str(cpu)] + cmd
+def start_dynamo(port: int) -> subprocess.Popen:
+    # As its users run it: its defaults (4 indexer threads), on every CPU. Pinning it to
+    # one CPU with --threads 1 (as this script once did) removes its parallelism and
+    # costs our GIL-bound server nothing: not a comparison.
+    cmd = [str(DYNAMO_PY), "-m", "dynamo.indexer", "--port", str(port)]
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_http(port, "/health")
     return p
@@ -212,8 +213,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=500)
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--seconds", type=float, default=5.0)
-    ap.add_argument("--events-per-batch", type=int, default=16)
-    ap.add_argument("--cpu", type=int, default=0, help="server CPU (clients use the other; -1 = no pinning)")
+    ap.add_argument("--events-per-batch", type=int, default=1, help="events per message (vLLM: one batch per engine step)")
+    ap.add_argument("--cpu", type=int, default=-1,
+                    help="pin our server to this CPU, clients and publishers to the other (default -1: nothing "
+                         "pinned; Dynamo is never pinned)")
     ap.add_argument("--no-fastapi", action="store_true", help="skip the plain-FastAPI alternative")
     ap.add_argument("--peer", action="store_true", help="also measure Dynamo's standalone indexer")
     ap.add_argument("--rounds", type=int, default=3, help="turns of every server; figures are medians over them")
@@ -222,10 +225,11 @@ def main() -> None:
     if args.quick:
         args.seqs = min(args.seqs, 200)
         args.calls, args.warmup, args.seconds = min(args.calls, 1000), min(args.warmup, 100), min(args.seconds, 2.0)
-    header("HTTP services side by side: ours (kv-indexer serve) and Dynamo's standalone indexer",
+    header("HTTP services side by side: ours (kv-indexer serve) and Dynamo's standalone indexer "
+           "(for the comparison as users run both, see bench_services.py)",
            argparse.Namespace())
     client_cpu = -1 if args.cpu < 0 else (args.cpu + 1) % (os.cpu_count() or 1)
-    print(f"# affinity: servers (ours and Dynamo's) on CPU {args.cpu}, clients and publishers on CPU {client_cpu}\n"
+    print(f"# affinity: our server on CPU {args.cpu}, clients and publishers on CPU {client_cpu}; Dynamo not pinned\n"
           if args.cpu >= 0 else "# affinity: not pinned\n")
     if client_cpu >= 0:
         os.sched_setaffinity(0, {client_cpu})
@@ -261,7 +265,7 @@ def main() -> None:
         # this VM (freed memory, a cold CPU) falls on each server's next turn alike.
         for label, kind, fast in (modes if rnd % 2 == 0 else modes[::-1]):
             port = free_port()
-            srv = start_ours(port, args.cpu, fast) if kind == "ours" else start_dynamo(port, args.cpu)
+            srv = start_ours(port, args.cpu, fast) if kind == "ours" else start_dynamo(port)
             pubs = [VllmPublisher("tcp://127.0.0.1:*", hwm=0) for _ in events]
             path, qbodies = ("/v1/match", bodies) if kind == "ours" else ("/query", dyn_bodies)
             try:

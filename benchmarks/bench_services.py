@@ -18,8 +18,11 @@ on 127.0.0.1 (one per engine, vLLM's three frames), round robin over the engines
 **What is measured** (``--mode ingest``, the default), per server and run:
 
 * *ingest*: from the first frame sent until every engine's **last** sequence is fully
-  matched through the server's own query route (``POST /query``, polled; an answer,
-  not a counter). blocks/s = stored blocks / that time.
+  matched through the server's own query route (``POST /query``, polled one engine at a
+  time with pauses of 2% of the elapsed time; an answer, not a counter). blocks/s =
+  stored blocks / that time.
+* *CPU*: user + system CPU time of the server's process tree (all threads) over the
+  ingest, per block: what the ingest costs whatever else shares the machine.
 * *memory*: RSS growth of the server's whole process tree (the process and its
   children, from ``/proc``) from just before the first frame to 1 s after the last
   sequence matched, per resident (engine, block) entry.
@@ -177,8 +180,8 @@ def start(kind: str, port: int) -> subprocess.Popen:
     return p
 
 
-def tree_rss(pid: int) -> int:
-    """RSS of ``pid`` and all its descendants, bytes."""
+def _tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants."""
     children: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -188,10 +191,31 @@ def tree_rss(pid: int) -> int:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(d))
-    total, todo = 0, [pid]
+    out, todo = [], [pid]
     while todo:
         p = todo.pop()
+        out.append(p)
         todo.extend(children.get(p, ()))
+    return out
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) used so far by ``pid`` and its descendants."""
+    ticks = 0
+    for p in _tree(pid):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def tree_rss(pid: int) -> int:
+    """RSS of ``pid`` and all its descendants, bytes."""
+    total = 0
+    for p in _tree(pid):
         try:
             with open(f"/proc/{p}/status") as f:
                 for line in f:
@@ -242,20 +266,25 @@ def latency_us(client: Client, path: str, body: bytes, calls: int, warmup: int) 
 
 
 def ingest(client: Client, pubs: list[VllmPublisher], wl: Workload, path: str, timeout: float = 900) -> float:
-    """Publish the whole workload; seconds until every engine's last sequence fully matches."""
-    last = {w: query_body(wl.tokens(w, wl.last[w])) for w in range(wl.workers)}
+    """Publish the whole workload; seconds until every engine's last sequence fully matches.
+
+    One query at a time, for the first engine not yet matched, then a pause of 2% of the
+    time so far (1-10 ms): the polling costs the server ~1% of a core, and the clock's
+    resolution is ~2% of the figure. (Polling every engine every 2 ms kept a third of a
+    core busy answering.)"""
+    pending = [(w, query_body(wl.tokens(w, wl.last[w]))) for w in range(wl.workers)]
     t0 = time.perf_counter()
     for w, payload in wl.interleaved():
         pubs[w].publish_payload(payload)
     deadline = time.monotonic() + timeout
-    while last and time.monotonic() < deadline:
-        for w in list(last):
-            if matched(client, path, last[w]).get(w) == TOKENS:
-                del last[w]
-        if last:
-            time.sleep(0.002)
-    if last:
-        raise RuntimeError(f"engines {sorted(last)} not fully matched after {timeout} s")
+    while pending and time.monotonic() < deadline:
+        w, body = pending[0]
+        if matched(client, path, body).get(w) == TOKENS:
+            pending.pop(0)
+            continue
+        time.sleep(min(0.01, max(0.001, (time.perf_counter() - t0) / 50)))
+    if pending:
+        raise RuntimeError(f"engines {[w for w, _ in pending]} not fully matched after {timeout} s")
     return time.perf_counter() - t0
 
 
@@ -265,6 +294,7 @@ def ingest(client: Client, pubs: list[VllmPublisher], wl: Workload, path: str, t
 def run_ingest(args, wl: Workload, kinds: list[str]) -> dict:
     body = query_body(wl.shared[0].tolist())  # sequence 0 is shared: held whole by every engine
     agree = [query_body(t) for t in wl.agreement_queries(args.agree)]
+    route_body = json.dumps({"token_ids": wl.shared[0].tolist(), "model": "default"}).encode()
     runs: dict[str, list[dict]] = {k: [] for k in kinds}
     answers: dict[str, list] = {}
     for r in range(args.runs):
@@ -278,8 +308,9 @@ def run_ingest(args, wl: Workload, kinds: list[str]) -> dict:
                 register(c, pubs)
                 time.sleep(1.0)  # the SUB sockets connect before the first frame (PUB drops otherwise)
                 gc.collect()
-                rss0 = tree_rss(srv.pid)
+                rss0, cpu0 = tree_rss(srv.pid), tree_cpu(srv.pid)
                 secs = ingest(c, pubs, wl, path)
+                cpu = tree_cpu(srv.pid) - cpu0
                 time.sleep(1.0)
                 grown = tree_rss(srv.pid) - rss0
                 got = [matched(c, path, b) for b in agree]
@@ -287,8 +318,12 @@ def run_ingest(args, wl: Workload, kinds: list[str]) -> dict:
                 same = sum(a == b for a, b in zip(got, base))
                 med, p99 = latency_us(c, path, body, args.calls, args.warmup)
                 fig = {"ingest_s": secs, "blocks_per_s": wl.entries / secs, "rss_growth": grown,
+                       "cpu_us_per_block": cpu / wl.entries * 1e6,
                        "bytes_per_entry": grown / wl.entries, "query_median_us": med, "query_p99_us": p99,
                        "answers_equal": same, "answers": len(agree)}
+                if kind == "ours":  # routing (cache, in-flight load, predictions): no Dynamo twin
+                    fig["route_median_us"], fig["route_p99_us"] = latency_us(c, "/v1/route", route_body,
+                                                                             args.calls, args.warmup)
                 runs[kind].append(fig)
                 print(f"[run {r + 1} {kind:6}] ingest {secs:6.2f} s ({fig['blocks_per_s']:,.0f} blocks/s), "
                       f"{fig['bytes_per_entry']:.1f} B/entry, query median {med:.1f} us p99 {p99:.1f} us, "
@@ -308,7 +343,10 @@ def summarize(runs: dict[str, list[dict]], keys: list[tuple[str, str, bool]]) ->
         row = [label]
         meds = {}
         for kind, figs in runs.items():
-            xs = [f[key] for f in figs]
+            xs = [f[key] for f in figs if key in f]
+            if not xs:
+                row.append("-")
+                continue
             meds[kind] = statistics.median(xs)
             row.append(f"{_num(meds[kind])} [{_num(min(xs))}-{_num(max(xs))}]")
         if "ours" in meds and "dynamo" in meds and meds["dynamo"]:
@@ -438,7 +476,11 @@ def main() -> None:
         runs = run_ingest(args, wl, kinds)
         keys = [("blocks_per_s", "ingest blocks/s", True), ("bytes_per_entry", "RSS growth B/entry", False),
                 ("query_median_us", "query median us", False), ("query_p99_us", "query p99 us", False),
-                ("ingest_s", "ingest s", False)]
+                ("ingest_s", "ingest s", False),
+                ("cpu_us_per_block", "server CPU us per block ingested", False)]
+        if args.calls:
+            keys += [("route_median_us", "our /v1/route median us", False),
+                     ("route_p99_us", "our /v1/route p99 us", False)]
         print(table(["figure"] + [f"{k} median [min-max]" for k in kinds] + (["ours/Dynamo"] if len(kinds) == 2
                                                                                else []),
                     summarize(runs, keys), f"{wl.entries:,} entries, {args.workers} engines, medians of "

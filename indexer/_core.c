@@ -822,6 +822,25 @@ insert_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "fewer keys than hashes");
         return NULL;
     }
+    /* Each hash read once as a uint64 (hv; ok[i] = 0 for a bytes or out-of-range
+     * hash, which goes through the map's dict): a 64-bit int is several digits, and
+     * converting it costs as much as the probe it feeds. */
+    uint64_t hstack[128];
+    char okstack[128];
+    uint64_t *hv = hstack;
+    char *ok = okstack;
+    if (n > 128) {
+        hv = PyMem_Malloc((size_t)n * (sizeof(uint64_t) + 1));
+        if (hv == NULL)
+            return PyErr_NoMemory();
+        ok = (char *)(hv + n);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int r = as_u64(PyList_GET_ITEM(hashes, i), &hv[i]);
+        if (r < 0)
+            goto fail_early;
+        ok[i] = (char)r;
+    }
     Py_ssize_t created = 0, added = 0;
     /* The worker's map is the one table this loop probes per block, at a random
      * slot each time (a cache miss on any map past a few MB): grow it once for the
@@ -832,16 +851,32 @@ insert_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
         while ((wmap->used + n) * 4 > nc * 3)
             nc *= 2;
         if (map_resize(wmap, nc) < 0)
-            return NULL;
+            goto fail_early;
     }
-    map_prefetch(wmap, &PyList_GET_ITEM(hashes, 0), n);
+    {
+        size_t mask = (size_t)wmap->cap - 1;
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (ok[i])
+                __builtin_prefetch(&wmap->slots[(size_t)mix64(hv[i]) & mask]);
+    }
     Py_INCREF(parent);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *h = PyList_GET_ITEM(hashes, i);
-        int err;
-        Node *node = mapped_node(wmap, h, &err);
-        if (err)
-            goto fail;
+        int err = 0;
+        Node *node;
+        if (ok[i]) {
+            Py_ssize_t j = map_find(wmap, hv[i]);
+            node = j < 0 ? NULL : (Node *)wmap->slots[j].val;
+            if (node != NULL && !IS_NODE(node)) {
+                PyErr_SetString(PyExc_TypeError, "a worker's hash map holds nodes only");
+                goto fail;
+            }
+        }
+        else {
+            node = mapped_node(wmap, h, &err);
+            if (err)
+                goto fail;
+        }
         if (node == NULL || node->parent == DEAD) {
             uint64_t k;
             int r = as_u64(PyList_GET_ITEM(keys, i), &k);
@@ -857,30 +892,30 @@ insert_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
                 if (nn == NULL)
                     goto fail;
                 PyObject *kids = parent->kids;
-                int ok = 0;
+                int st = 0;
                 if (kids == Py_None) {
                     NODE_SET(parent->kids, (PyObject *)nn);
                 }
                 else if (IS_MAP(kids)) {
-                    ok = map_put((U64Map *)kids, k, (PyObject *)nn);
+                    st = map_put((U64Map *)kids, k, (PyObject *)nn);
                 }
                 else if (!IS_NODE(kids)) {
                     PyErr_SetString(PyExc_TypeError, "Node.kids must be None, a Node or a U64Map");
-                    ok = -1;
+                    st = -1;
                 }
                 else { /* one child with another key: the node branches */
                     U64Map *km = map_new();
                     if (km == NULL || map_put(km, ((Node *)kids)->key, kids) < 0 ||
                         map_put(km, k, (PyObject *)nn) < 0) {
                         Py_XDECREF(km);
-                        ok = -1;
+                        st = -1;
                     }
                     else {
                         NODE_SET(parent->kids, (PyObject *)km);
                         Py_DECREF(km);
                     }
                 }
-                if (ok < 0 || map_store(wmap, h, (PyObject *)nn) < 0) {
+                if (st < 0 || (ok[i] ? map_put(wmap, hv[i], (PyObject *)nn) : map_store(wmap, h, (PyObject *)nn)) < 0) {
                     Py_DECREF(nn); /* out of memory, or a tree that is not one */
                     goto fail;
                 }
@@ -889,7 +924,7 @@ insert_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
                 parent = nn; /* owns the reference from node_make */
                 continue;
             }
-            if (map_store(wmap, h, (PyObject *)node) < 0)
+            if ((ok[i] ? map_put(wmap, hv[i], (PyObject *)node) : map_store(wmap, h, (PyObject *)node)) < 0)
                 goto fail;
         }
         PyObject *m = node->gpu;
@@ -916,10 +951,14 @@ insert_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(parent);
         parent = node;
     }
-    PyObject *res = Py_BuildValue("(Nnn)", (PyObject *)parent, created, added + created);
-    return res;
+    if (hv != hstack)
+        PyMem_Free(hv);
+    return Py_BuildValue("(Nnn)", (PyObject *)parent, created, added + created);
 fail:
     Py_DECREF(parent);
+fail_early:
+    if (hv != hstack)
+        PyMem_Free(hv);
     return NULL;
 }
 

@@ -54,7 +54,7 @@ def _malloc_trim() -> Any:
 
 # Messages received since the last trim before an idle moment trims again: a
 # trim walks the arenas (~1-10 ms), so never after every small burst.
-TRIM_AFTER = 2048
+TRIM_AFTER = 256
 # The longest time between trims while messages keep arriving.
 TRIM_EVERY_S = 30.0
 

@@ -1,0 +1,198 @@
+"""uvicorn's httptools protocol, with the hot JSON POST routes answered by the protocol itself.
+
+Why: on this project's 2-vCPU VM a keep-alive round trip to a bare httptools server
+costs ~150 us (client and kernel); through uvicorn and the ASGI fast path of
+``_App`` it cost ~300 us, the index's own work being ~15 us of it. The rest is
+uvicorn's per-request machinery: a scope dict, a ``RequestResponseCycle``, an asyncio
+Task, ASGI receive/send message dicts, two ``transport.write`` calls (status line
+and headers, then the body: two TCP segments), the proxy-headers middleware.
+
+Here a POST to a hot route (``_App.fast_routes``) on a keep-alive HTTP/1.1
+connection is read by the parser callbacks, handed to ``Service.serve_body`` (the
+same handler the ASGI paths call: same decoding, auth, errors and counters) and,
+when the handler finishes without waiting (every ``token_ids`` query), answered
+with one write, inside the same ``data_received`` call. A handler that does wait
+(a text prompt tokenized off the loop) goes on in a Task, and a pipelined request
+behind it waits its turn (uvicorn's own pipeline). Everything else (other methods
+and routes, ``Expect: 100-continue``, HTTP/1.0, ``Connection: close``, upgrades, an
+access log, a concurrency limit) is uvicorn's, unchanged.
+
+Not seen on the hot routes: ``X-Forwarded-For`` (uvicorn's proxy-headers
+middleware), which only named the client in a refused-token log line there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Coroutine, Generator
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from .app import error_body
+
+__all__ = ["bind"]
+
+_JSON_HEADERS = b"content-type: application/json\r\ncontent-length: "
+
+
+class _NoEvent:
+    """What uvicorn calls on a cycle's ``message_event`` (a fast request has no ASGI receive)."""
+
+    __slots__ = ()
+
+    def set(self) -> None:
+        pass
+
+
+_NO_EVENT = _NoEvent()
+
+
+class _FastCycle:
+    """Stands in for uvicorn's ``RequestResponseCycle`` while a hot request is answered:
+    pipelining, ``connection_lost`` and ``shutdown`` read and set these."""
+
+    __slots__ = ("response_complete", "disconnected", "keep_alive", "message_event")
+
+    def __init__(self) -> None:
+        self.response_complete = False
+        self.disconnected = False
+        self.keep_alive = True
+        self.message_event = _NO_EVENT
+
+
+class _Resumed:
+    """The rest of a coroutine that already yielded ``first`` when it was driven by hand:
+    awaiting this in a Task hands the Task that future, then the coroutine's next ones."""
+
+    __slots__ = ("coro", "first")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], first: Any) -> None:
+        self.coro = coro
+        self.first = first
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro, fut = self.coro, self.first
+        while True:
+            try:
+                value = yield fut
+            except BaseException as e:  # cancellation, or the future's error: into the coroutine
+                try:
+                    fut = coro.throw(e)
+                except StopIteration as stop:
+                    return stop.value
+                continue
+            try:
+                fut = coro.send(value)
+            except StopIteration as stop:
+                return stop.value
+
+
+class FastHttpToolsProtocol(HttpToolsProtocol):
+    """``HttpToolsProtocol`` answering the hot routes of ``fast_app`` (see the module doc)."""
+
+    fast_app: Any = None  # the _App whose fast_routes, service and auth are used (bind())
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._route: Any = None  # the hot route of the request being read, or None
+        self._body: list[bytes] = []
+        self._size = 0
+
+    def on_headers_complete(self) -> None:
+        app = self.fast_app
+        routes = app.fast_routes
+        parser = self.parser
+        cycle = self.cycle
+        if (routes is not None and (cycle is None or cycle.response_complete) and not self.access_log
+                and not self.expect_100_continue and self.limit_concurrency is None
+                and parser.get_method() == b"POST" and parser.get_http_version() == "1.1"
+                and parser.should_keep_alive() and not parser.should_upgrade()):
+            url = self.url
+            route = routes.get(url.decode("latin-1")) if url[:1] == b"/" else None
+            if route is not None:  # a plain path: no query string or escapes would match a route's key
+                scope = self.scope
+                scope["method"] = "POST"
+                scope["path"] = route.path
+                scope["raw_path"] = url
+                scope["query_string"] = b""
+                self.cycle = _FastCycle()  # type: ignore[assignment]
+                self._route = route
+                self._body = []
+                self._size = 0
+                return
+        self._route = None
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if self._route is None:
+            super().on_body(body)
+            return
+        self._size += len(body)
+        if self._size <= self.fast_app.service.settings.max_request_bytes:
+            self._body.append(body)  # past the bound: read and dropped, answered 413 at the end
+
+    def on_message_complete(self) -> None:
+        route = self._route
+        if route is None:
+            super().on_message_complete()
+            return
+        self._route = None
+        cycle: _FastCycle = self.cycle  # type: ignore[assignment]
+        app = self.fast_app
+        svc = app.service
+        auth = app.auth
+        if auth is not None:
+            refused = auth.refuse(self.scope)
+            if refused is not None:
+                status, msg, headers = refused
+                self._respond(cycle, status, error_body(msg, route.error_key), headers)
+                return
+        limit = svc.settings.max_request_bytes
+        if self._size > limit:
+            status, out = svc.refused(route, 413, f"request body exceeds the limit of {limit} bytes")
+            self._respond(cycle, status, out)
+            return
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        self._body = []
+        coro = svc.serve_body(route, body)
+        try:
+            fut = coro.send(None)
+        except StopIteration as done:
+            status, out = done.value
+            self._respond(cycle, status, out)
+            return
+        # The handler waits for something (work off the loop): finish in a Task.
+        task = self.loop.create_task(self._finish(cycle, _Resumed(coro, fut)))
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
+
+    async def _finish(self, cycle: _FastCycle, rest: _Resumed) -> None:
+        status, out = await rest
+        self._respond(cycle, status, out)
+
+    def _respond(self, cycle: _FastCycle, status: int, body: bytes,
+                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        """Write the whole response at once, then let uvicorn go on (keep-alive, pipeline)."""
+        cycle.response_complete = True
+        if cycle.disconnected or self.transport.is_closing():
+            return
+        parts = [STATUS_LINE[status]]
+        for name, value in self.server_state.default_headers:
+            parts += [name, b": ", value, b"\r\n"]
+        for name, value in headers or ():
+            parts += [name, b": ", value, b"\r\n"]
+        parts += [_JSON_HEADERS, b"%d\r\n\r\n" % len(body), body]
+        self.transport.write(b"".join(parts))
+        if not cycle.keep_alive:  # the server is shutting down
+            self.transport.close()
+        self.on_response_complete()
+
+
+def bind(app: Any) -> type[HttpToolsProtocol]:
+    """The protocol class for uvicorn's ``http=`` serving ``app`` (an ``_App``): its hot
+    routes answered as above when ``app.fast_routes`` is set, uvicorn's path otherwise.
+    Raises ImportError when this uvicorn's protocol lacks what the fast path drives."""
+    needed = ("on_headers_complete", "on_body", "on_message_complete", "on_response_complete")
+    if not all(hasattr(HttpToolsProtocol, n) for n in needed):
+        raise ImportError("uvicorn's HttpToolsProtocol changed: serving without the protocol fast path")
+    return type("KviHttpToolsProtocol", (FastHttpToolsProtocol,), {"fast_app": app})
