@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import http.client
 import json
 import os
 import statistics
@@ -62,12 +61,14 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 from _report import DYNAMO_PY, ROOT, machine, peer_available, percentile, table  # noqa: E402
+from bench_http import Client, free_port, latency, wait_http  # noqa: E402
 
 from indexer.producer.events import Stored, encode_batch  # noqa: E402
 from indexer.producer.publisher import VllmPublisher  # noqa: E402
@@ -134,39 +135,6 @@ class Workload:
 # ----------------------------------------------------------------------- servers
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Client:
-    """One keep-alive JSON connection (http.client: the cheapest Python client per call)."""
-
-    def __init__(self, port: int) -> None:
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-
-    def call(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
-        self.conn.request(method, path, body, {"content-type": "application/json"})
-        r = self.conn.getresponse()
-        return r.status, r.read()
-
-
-def wait_http(port: int, path: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            c = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
-            c.request("GET", path)
-            if c.getresponse().status < 500:
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"nothing answered on port {port}{path}")
-
-
 def start(kind: str, port: int) -> subprocess.Popen:
     """A server as its users start it: defaults, no CPU pinning."""
     if kind == "ours":
@@ -226,6 +194,25 @@ def tree_rss(pid: int) -> int:
     return total
 
 
+@contextmanager
+def serving(kind: str, workers: int, our_route: str):
+    """A fresh server of ``kind`` with ``workers`` publishers registered and subscribed:
+    yields (server process, client, publishers, query path); stops them all after."""
+    port = free_port()
+    srv = start(kind, port)
+    pubs = [VllmPublisher("tcp://127.0.0.1:*", hwm=0) for _ in range(workers)]
+    try:
+        c = Client(port)
+        register(c, pubs)
+        time.sleep(1.0)  # the SUB sockets connect before the first frame (PUB drops otherwise)
+        yield srv, c, pubs, our_route if kind == "ours" else "/query"
+    finally:
+        for pub in pubs:
+            pub.close()
+        srv.terminate()
+        srv.wait(30)
+
+
 def query_body(tokens: list[int]) -> bytes:
     return json.dumps({"token_ids": tokens, "model_name": "default"}).encode()
 
@@ -251,18 +238,9 @@ def register(client: Client, pubs: list[VllmPublisher]) -> None:
 
 
 def latency_us(client: Client, path: str, body: bytes, calls: int, warmup: int) -> tuple[float, float]:
-    for _ in range(warmup):
-        client.call("POST", path, body)
-    ns = []
-    pc = time.perf_counter_ns
-    for _ in range(calls):
-        t0 = pc()
-        status, _ = client.call("POST", path, body)
-        ns.append(pc() - t0)
-        if status != 200:
-            raise RuntimeError(f"{path} answered {status}")
-    ns.sort()
-    return percentile(ns, 50) / 1000, percentile(ns, 99) / 1000
+    """Median and p99 of ``calls`` round trips (bench_http.latency), microseconds."""
+    r = latency(client, path, body, calls, warmup)
+    return r["median_us"], r["p99_us"]
 
 
 def ingest(client: Client, pubs: list[VllmPublisher], wl: Workload, path: str, timeout: float = 900) -> float:
@@ -299,14 +277,7 @@ def run_ingest(args, wl: Workload, kinds: list[str]) -> dict:
     answers: dict[str, list] = {}
     for r in range(args.runs):
         for kind in (kinds if r % 2 == 0 else kinds[::-1]):
-            port = free_port()
-            srv = start(kind, port)
-            pubs = [VllmPublisher("tcp://127.0.0.1:*", hwm=0) for _ in range(wl.workers)]
-            path = args.our_route if kind == "ours" else "/query"
-            try:
-                c = Client(port)
-                register(c, pubs)
-                time.sleep(1.0)  # the SUB sockets connect before the first frame (PUB drops otherwise)
+            with serving(kind, wl.workers, args.our_route) as (srv, c, pubs, path):
                 gc.collect()
                 rss0, cpu0 = tree_rss(srv.pid), tree_cpu(srv.pid)
                 secs = ingest(c, pubs, wl, path)
@@ -328,11 +299,6 @@ def run_ingest(args, wl: Workload, kinds: list[str]) -> dict:
                 print(f"[run {r + 1} {kind:6}] ingest {secs:6.2f} s ({fig['blocks_per_s']:,.0f} blocks/s), "
                       f"{fig['bytes_per_entry']:.1f} B/entry, query median {med:.1f} us p99 {p99:.1f} us, "
                       f"answers equal {same}/{len(agree)}", flush=True)
-            finally:
-                for pub in pubs:
-                    pub.close()
-                srv.terminate()
-                srv.wait(30)
     return runs
 
 
@@ -381,14 +347,7 @@ def run_load(args, wl: Workload, extra: Workload, kinds: list[str]) -> dict:
     stream = list(extra.interleaved())
     for r in range(args.runs):
         for kind in (kinds if r % 2 == 0 else kinds[::-1]):
-            port = free_port()
-            srv = start(kind, port)
-            pubs = [VllmPublisher("tcp://127.0.0.1:*", hwm=0) for _ in range(wl.workers)]
-            path = args.our_route if kind == "ours" else "/query"
-            try:
-                c = Client(port)
-                register(c, pubs)
-                time.sleep(1.0)
+            with serving(kind, wl.workers, args.our_route) as (_, c, pubs, path):
                 ingest(c, pubs, wl, path)
                 pos = 0
                 for rate in args.rates:
@@ -415,11 +374,6 @@ def run_load(args, wl: Workload, extra: Workload, kinds: list[str]) -> dict:
                     print(f"[run {r + 1} {kind:6}] ingest {rate:,} blocks/s: query p50 {got[0]:.1f} us "
                           f"p99 {got[1]:.1f} us ({got[2]} queries)", flush=True)
                     time.sleep(1.0)
-            finally:
-                for pub in pubs:
-                    pub.close()
-                srv.terminate()
-                srv.wait(30)
     return out
 
 

@@ -255,16 +255,23 @@ def load_tokenizers(dirs: Mapping[str, str]) -> dict[str, Tokenizer]:
     return {model: Tokenizer(path, model) for model, path in dirs.items()}
 
 
+def _text_ids(tokenizer: Tokenizer, prompt: str | None, messages: Sequence[Mapping[str, Any]] | None,
+              add_generation_prompt: bool, continue_final_message: bool,
+              chat_template_kwargs: Mapping[str, Any] | None) -> list[int]:
+    t = tokenizer.tokenize(prompt, messages, add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)
+    if not t.token_ids:
+        raise TextError("the text tokenizes to no tokens")
+    return t.token_ids
+
+
 def match_text(index: Any, tokenizer: Tokenizer, *, prompt: str | None = None,
                messages: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = True,
                continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None,
                **match_kwargs: Any) -> Any:
     """``index.match`` (a ``PrefixIndex`` or an ``Indexer``) of a prompt or messages."""
-    t = tokenizer.tokenize(prompt, messages, add_generation_prompt=add_generation_prompt,
-                           continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)
-    if not t.token_ids:
-        raise TextError("the text tokenizes to no tokens")
-    return index.match(t.token_ids, **match_kwargs)
+    ids = _text_ids(tokenizer, prompt, messages, add_generation_prompt, continue_final_message, chat_template_kwargs)
+    return index.match(ids, **match_kwargs)
 
 
 def route_text(index: Any, tokenizer: Tokenizer, *, prompt: str | None = None,
@@ -272,8 +279,5 @@ def route_text(index: Any, tokenizer: Tokenizer, *, prompt: str | None = None,
                continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None,
                **route_kwargs: Any) -> Any:
     """``index.route`` of a prompt or messages (the ``POST /v1/route`` body)."""
-    t = tokenizer.tokenize(prompt, messages, add_generation_prompt=add_generation_prompt,
-                           continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)
-    if not t.token_ids:
-        raise TextError("the text tokenizes to no tokens")
-    return index.route(t.token_ids, **route_kwargs)
+    ids = _text_ids(tokenizer, prompt, messages, add_generation_prompt, continue_final_message, chat_template_kwargs)
+    return index.route(ids, **route_kwargs)
