@@ -807,40 +807,16 @@ PyDoc_STRVAR(insert_gpu_doc,
 "`wmap` and the nodes' gpu and dup. Returns the last node, the nodes created\n"
 "and the residencies added. Same steps as tree.insert_gpu.");
 
+/* The loop of a GPU store (tree.insert_gpu is its reference): n blocks with hashes
+ * hv[i] (ok[i] = 0: not a uint64, look hashes[i] up through the map's dict) and keys
+ * either keys[i] (a list of ints) or, with keys NULL, the xxh3-64 with `seed` of block
+ * i of the little-endian uint32 `tokens` (block_size tokens a block), computed only
+ * for the blocks that are new. Returns (last node, created, added). */
 static PyObject *
-insert_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
+insert_loop(U64Map *wmap, Node *parent, Py_ssize_t n, const uint64_t *hv, const char *ok, PyObject *hashes,
+            PyObject *keys, const unsigned char *tokens, Py_ssize_t block_size, uint64_t seed, PyObject *bit,
+            PyObject *dupkey)
 {
-    if (nargs != 6 || !IS_MAP(args[0]) || !IS_NODE(args[1]) || !PyList_Check(args[2]) || !PyList_Check(args[3])) {
-        PyErr_SetString(PyExc_TypeError, "insert_gpu(U64Map, Node, list, list, int, int)");
-        return NULL;
-    }
-    U64Map *wmap = (U64Map *)args[0];
-    Node *parent = (Node *)args[1];
-    PyObject *hashes = args[2], *keys = args[3], *bit = args[4], *dupkey = args[5];
-    Py_ssize_t n = PyList_GET_SIZE(hashes);
-    if (PyList_GET_SIZE(keys) < n) {
-        PyErr_SetString(PyExc_ValueError, "fewer keys than hashes");
-        return NULL;
-    }
-    /* Each hash read once as a uint64 (hv; ok[i] = 0 for a bytes or out-of-range
-     * hash, which goes through the map's dict): a 64-bit int is several digits, and
-     * converting it costs as much as the probe it feeds. */
-    uint64_t hstack[128];
-    char okstack[128];
-    uint64_t *hv = hstack;
-    char *ok = okstack;
-    if (n > 128) {
-        hv = PyMem_Malloc((size_t)n * (sizeof(uint64_t) + 1));
-        if (hv == NULL)
-            return PyErr_NoMemory();
-        ok = (char *)(hv + n);
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int r = as_u64(PyList_GET_ITEM(hashes, i), &hv[i]);
-        if (r < 0)
-            goto fail_early;
-        ok[i] = (char)r;
-    }
     Py_ssize_t created = 0, added = 0;
     /* The worker's map is the one table this loop probes per block, at a random
      * slot each time (a cache miss on any map past a few MB): grow it once for the
@@ -851,7 +827,7 @@ insert_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
         while ((wmap->used + n) * 4 > nc * 3)
             nc *= 2;
         if (map_resize(wmap, nc) < 0)
-            goto fail_early;
+            return NULL;
     }
     {
         size_t mask = (size_t)wmap->cap - 1;
@@ -859,9 +835,9 @@ insert_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
             if (ok[i])
                 __builtin_prefetch(&wmap->slots[(size_t)mix64(hv[i]) & mask]);
     }
+    size_t step = (size_t)block_size * 4;
     Py_INCREF(parent);
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *h = PyList_GET_ITEM(hashes, i);
         int err = 0;
         Node *node;
         if (ok[i]) {
@@ -873,18 +849,22 @@ insert_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
             }
         }
         else {
-            node = mapped_node(wmap, h, &err);
+            node = mapped_node(wmap, PyList_GET_ITEM(hashes, i), &err);
             if (err)
                 goto fail;
         }
         if (node == NULL || node->parent == DEAD) {
             uint64_t k;
-            int r = as_u64(PyList_GET_ITEM(keys, i), &k);
-            if (r <= 0) {
-                if (r == 0)
-                    PyErr_SetString(PyExc_OverflowError, "a block key is an int in [0, 2**64)");
-                goto fail;
+            if (keys != NULL) {
+                int r = as_u64(PyList_GET_ITEM(keys, i), &k);
+                if (r <= 0) {
+                    if (r == 0)
+                        PyErr_SetString(PyExc_OverflowError, "a block key is an int in [0, 2**64)");
+                    goto fail;
+                }
             }
+            else
+                k = XXH3_64bits_withSeed(tokens + (size_t)i * step, step, seed);
             node = (Node *)child_of(parent, k);
             if (node == NULL) {
                 /* A new block: born holding the worker's bit. */
@@ -915,7 +895,8 @@ insert_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
                         Py_DECREF(km);
                     }
                 }
-                if (st < 0 || (ok[i] ? map_put(wmap, hv[i], (PyObject *)nn) : map_store(wmap, h, (PyObject *)nn)) < 0) {
+                if (st < 0 || (ok[i] ? map_put(wmap, hv[i], (PyObject *)nn)
+                                     : map_store(wmap, PyList_GET_ITEM(hashes, i), (PyObject *)nn)) < 0) {
                     Py_DECREF(nn); /* out of memory, or a tree that is not one */
                     goto fail;
                 }
@@ -924,7 +905,8 @@ insert_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
                 parent = nn; /* owns the reference from node_make */
                 continue;
             }
-            if ((ok[i] ? map_put(wmap, hv[i], (PyObject *)node) : map_store(wmap, h, (PyObject *)node)) < 0)
+            if ((ok[i] ? map_put(wmap, hv[i], (PyObject *)node)
+                       : map_store(wmap, PyList_GET_ITEM(hashes, i), (PyObject *)node)) < 0)
                 goto fail;
         }
         PyObject *m = node->gpu;
@@ -951,15 +933,102 @@ insert_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(parent);
         parent = node;
     }
-    if (hv != hstack)
-        PyMem_Free(hv);
     return Py_BuildValue("(Nnn)", (PyObject *)parent, created, added + created);
 fail:
     Py_DECREF(parent);
-fail_early:
+    return NULL;
+}
+
+static PyObject *
+insert_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6 || !IS_MAP(args[0]) || !IS_NODE(args[1]) || !PyList_Check(args[2]) || !PyList_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "insert_gpu(U64Map, Node, list, list, int, int)");
+        return NULL;
+    }
+    PyObject *hashes = args[2], *keys = args[3];
+    Py_ssize_t n = PyList_GET_SIZE(hashes);
+    if (PyList_GET_SIZE(keys) < n) {
+        PyErr_SetString(PyExc_ValueError, "fewer keys than hashes");
+        return NULL;
+    }
+    /* Each hash read once as a uint64 (hv; ok[i] = 0 for a bytes or out-of-range
+     * hash, which goes through the map's dict): a 64-bit int is several digits, and
+     * converting it costs as much as the probe it feeds. */
+    uint64_t hstack[128];
+    char okstack[128];
+    uint64_t *hv = hstack;
+    char *ok = okstack;
+    if (n > 128) {
+        hv = PyMem_Malloc((size_t)n * (sizeof(uint64_t) + 1));
+        if (hv == NULL)
+            return PyErr_NoMemory();
+        ok = (char *)(hv + n);
+    }
+    PyObject *res = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int r = as_u64(PyList_GET_ITEM(hashes, i), &hv[i]);
+        if (r < 0)
+            goto done;
+        ok[i] = (char)r;
+    }
+    res = insert_loop((U64Map *)args[0], (Node *)args[1], n, hv, ok, hashes, keys, NULL, 0, 0, args[4], args[5]);
+done:
     if (hv != hstack)
         PyMem_Free(hv);
-    return NULL;
+    return res;
+}
+
+PyDoc_STRVAR(insert_gpu_raw_doc,
+"insert_gpu_raw(wmap, parent, hashes, tokens, block_size, seed, bit, dupkey) -> (last, created, new)\n\n"
+"insert_gpu for a store read by scan_gpu_batch: `hashes` the little-endian uint64\n"
+"engine hashes (bytes), `tokens` the little-endian uint32 token ids (bytes, block_size\n"
+"a block, at least as many blocks as hashes); each new block's key is the xxh3-64 of\n"
+"its tokens with `seed` (keys.block_keys), computed only for blocks that are new.");
+
+static PyObject *
+insert_gpu_raw(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8 || !IS_MAP(args[0]) || !IS_NODE(args[1]) || !PyBytes_Check(args[2]) || !PyBytes_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "insert_gpu_raw(U64Map, Node, bytes, bytes, int, int, int, int)");
+        return NULL;
+    }
+    Py_ssize_t bs = PyLong_AsSsize_t(args[4]);
+    if (bs == -1 && PyErr_Occurred())
+        return NULL;
+    unsigned long long seed = PyLong_AsUnsignedLongLong(args[5]);
+    if (seed == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t hlen = PyBytes_GET_SIZE(args[2]), tlen = PyBytes_GET_SIZE(args[3]);
+    Py_ssize_t n = hlen / 8;
+    if (bs <= 0 || hlen % 8 || tlen < n * bs * 4) {
+        PyErr_SetString(PyExc_ValueError, "insert_gpu_raw: hashes must be 8-byte values and tokens cover every block");
+        return NULL;
+    }
+    uint64_t hstack[128];
+    char okstack[128] = {0};
+    uint64_t *hv = hstack;
+    char *ok = okstack;
+    if (n > 128) {
+        hv = PyMem_Malloc((size_t)n * (sizeof(uint64_t) + 1));
+        if (hv == NULL)
+            return PyErr_NoMemory();
+        ok = (char *)(hv + n);
+    }
+    const unsigned char *hb = (const unsigned char *)PyBytes_AS_STRING(args[2]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t v = 0;
+        for (int b = 7; b >= 0; b--)
+            v = (v << 8) | hb[i * 8 + b];
+        hv[i] = v;
+        ok[i] = 1;
+    }
+    PyObject *res = insert_loop((U64Map *)args[0], (Node *)args[1], n, hv, ok, NULL, NULL,
+                                (const unsigned char *)PyBytes_AS_STRING(args[3]), bs, (uint64_t)seed, args[6],
+                                args[7]);
+    if (hv != hstack)
+        PyMem_Free(hv);
+    return res;
 }
 
 PyDoc_STRVAR(walk_doc,
@@ -1252,6 +1321,393 @@ none:
 done:
     PyBuffer_Release(&view);
     return out;
+}
+
+/* ------------------------------------------------------- scan_gpu_batch */
+
+/* A msgpack reader over [p, end): each rd_* consumes one value of its kind and
+ * returns 1, or returns 0 and consumes nothing when the next value is another kind
+ * (or truncated). */
+typedef struct {
+    const unsigned char *p, *end;
+} Rd;
+
+static int
+rd_len(Rd *r, unsigned char fix_lo, unsigned char fix_hi, unsigned char c16, unsigned char c32, uint32_t *n)
+{
+    if (r->p >= r->end)
+        return 0;
+    unsigned char c = *r->p;
+    if (c >= fix_lo && c <= fix_hi) {
+        *n = c & (fix_hi - fix_lo);
+        r->p += 1;
+        return 1;
+    }
+    if (c == c16 && r->end - r->p >= 3) {
+        *n = (uint32_t)be(r->p + 1, 2);
+        r->p += 3;
+        return 1;
+    }
+    if (c == c32 && r->end - r->p >= 5) {
+        *n = (uint32_t)be(r->p + 1, 4);
+        r->p += 5;
+        return 1;
+    }
+    return 0;
+}
+
+static int
+rd_nil(Rd *r)
+{
+    if (r->p < r->end && *r->p == 0xc0) {
+        r->p++;
+        return 1;
+    }
+    return 0;
+}
+
+static int
+rd_str(Rd *r, const char **s, uint32_t *n)
+{
+    Rd save = *r;
+    if (r->p < r->end && *r->p == 0xd9 && r->end - r->p >= 2) { /* str8 */
+        *n = r->p[1];
+        r->p += 2;
+    }
+    else if (!rd_len(r, 0xa0, 0xbf, 0xda, 0xdb, n))
+        return 0;
+    if ((uint64_t)(r->end - r->p) < *n) {
+        *r = save;
+        return 0;
+    }
+    *s = (const char *)r->p;
+    r->p += *n;
+    return 1;
+}
+
+/* An integer of any msgpack encoding; *neg set for a negative one (then *v is its
+ * two's complement as int64). */
+static int
+rd_int(Rd *r, uint64_t *v, int *neg)
+{
+    if (r->p >= r->end)
+        return 0;
+    unsigned char c = *r->p;
+    *neg = 0;
+    if (c <= 0x7f) {
+        *v = c;
+        r->p += 1;
+        return 1;
+    }
+    if (c >= 0xe0) { /* negative fixint */
+        *v = (uint64_t)(int64_t)(int8_t)c;
+        *neg = 1;
+        r->p += 1;
+        return 1;
+    }
+    if (c >= 0xcc && c <= 0xcf) {
+        int w = 1 << (c - 0xcc);
+        if (r->end - r->p < 1 + w)
+            return 0;
+        *v = be(r->p + 1, w);
+        r->p += 1 + w;
+        return 1;
+    }
+    if (c >= 0xd0 && c <= 0xd3) {
+        int w = 1 << (c - 0xd0);
+        if (r->end - r->p < 1 + w)
+            return 0;
+        uint64_t u = be(r->p + 1, w);
+        int shift = 64 - 8 * w;
+        int64_t sv = shift ? (int64_t)(u << shift) >> shift : (int64_t)u;
+        *v = (uint64_t)sv;
+        *neg = sv < 0;
+        r->p += 1 + w;
+        return 1;
+    }
+    return 0;
+}
+
+static PyObject *
+int_obj(uint64_t v, int neg)
+{
+    return neg ? PyLong_FromLongLong((long long)(int64_t)v) : PyLong_FromUnsignedLongLong(v);
+}
+
+static int
+str_is(const char *s, uint32_t n, const char *lit)
+{
+    size_t m = strlen(lit);
+    return n == m && memcmp(s, lit, m) == 0;
+}
+
+enum {
+    K_TYPE = 1 << 0, K_HASHES = 1 << 1, K_PARENT = 1 << 2, K_TOKENS = 1 << 3, K_BS = 1 << 4, K_LORA_ID = 1 << 5,
+    K_MEDIUM = 1 << 6, K_LORA_NAME = 1 << 7, K_EXTRA = 1 << 8, K_GROUP = 1 << 9, K_KIND = 1 << 10,
+    K_SWA = 1 << 11, K_LOCALITY = 1 << 12, K_OWNERSHIP = 1 << 13, K_SESSION = 1 << 14, K_LOOKAHEAD = 1 << 15,
+};
+
+/* One BlockStored map of the plain GPU shape (see scan_gpu_batch) as a tuple, NULL
+ * with no error set when it is of any other shape, NULL with an error set on a real
+ * error (memory). */
+static PyObject *
+scan_store(Rd *r, const unsigned char *base)
+{
+    const unsigned char *start = r->p;
+    uint32_t nk;
+    if (!rd_len(r, 0x80, 0x8f, 0xde, 0xdf, &nk))
+        return NULL;
+    unsigned seen = 0;
+    PyObject *hashes = NULL, *tokens = NULL, *parent = NULL, *group = NULL, *kind = NULL;
+    uint64_t nblocks = 0, ntok = 0, bs = 0;
+    for (uint32_t f = 0; f < nk; f++) {
+        const char *k;
+        uint32_t kl;
+        if (!rd_str(r, &k, &kl))
+            goto other;
+        unsigned bitv;
+        if (str_is(k, kl, "type"))
+            bitv = K_TYPE;
+        else if (str_is(k, kl, "block_hashes"))
+            bitv = K_HASHES;
+        else if (str_is(k, kl, "parent_block_hash"))
+            bitv = K_PARENT;
+        else if (str_is(k, kl, "token_ids"))
+            bitv = K_TOKENS;
+        else if (str_is(k, kl, "block_size"))
+            bitv = K_BS;
+        else if (str_is(k, kl, "lora_id"))
+            bitv = K_LORA_ID;
+        else if (str_is(k, kl, "medium"))
+            bitv = K_MEDIUM;
+        else if (str_is(k, kl, "lora_name"))
+            bitv = K_LORA_NAME;
+        else if (str_is(k, kl, "extra_keys"))
+            bitv = K_EXTRA;
+        else if (str_is(k, kl, "group_idx"))
+            bitv = K_GROUP;
+        else if (str_is(k, kl, "kv_cache_spec_kind"))
+            bitv = K_KIND;
+        else if (str_is(k, kl, "kv_cache_spec_sliding_window"))
+            bitv = K_SWA;
+        else if (str_is(k, kl, "locality"))
+            bitv = K_LOCALITY;
+        else if (str_is(k, kl, "ownership"))
+            bitv = K_OWNERSHIP;
+        else if (str_is(k, kl, "session_id"))
+            bitv = K_SESSION;
+        else if (str_is(k, kl, "lookahead_token_ids"))
+            bitv = K_LOOKAHEAD;
+        else
+            goto other; /* a field we do not know: the decoder counts it */
+        if (seen & bitv)
+            goto other;
+        seen |= bitv;
+        const char *sv;
+        uint32_t sl;
+        uint64_t v;
+        int neg;
+        switch (bitv) {
+        case K_TYPE:
+            if (!rd_str(r, &sv, &sl) || !str_is(sv, sl, "BlockStored"))
+                goto other;
+            break;
+        case K_HASHES: {
+            uint32_t n;
+            if (!rd_len(r, 0x90, 0x9f, 0xdc, 0xdd, &n) || n == 0 || n > (uint64_t)(r->end - r->p))
+                goto other;
+            hashes = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n * 8);
+            if (hashes == NULL)
+                goto error;
+            unsigned char *o = (unsigned char *)PyBytes_AS_STRING(hashes);
+            for (uint32_t i = 0; i < n; i++) {
+                if (!rd_int(r, &v, &neg) || neg)
+                    goto other; /* bytes digests, negative ints: the decoder's path */
+                for (int b = 0; b < 8; b++)
+                    o[i * 8 + b] = (unsigned char)(v >> (8 * b));
+            }
+            nblocks = n;
+            break;
+        }
+        case K_PARENT:
+            if (rd_nil(r))
+                break;
+            if (!rd_int(r, &v, &neg) || neg)
+                goto other;
+            parent = PyLong_FromUnsignedLongLong(v);
+            if (parent == NULL)
+                goto error;
+            break;
+        case K_TOKENS: {
+            uint32_t n;
+            if (!rd_len(r, 0x90, 0x9f, 0xdc, 0xdd, &n) || n > (uint64_t)(r->end - r->p))
+                goto other;
+            tokens = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n * 4);
+            if (tokens == NULL)
+                goto error;
+            unsigned char *o = (unsigned char *)PyBytes_AS_STRING(tokens);
+            for (uint32_t i = 0; i < n; i++) {
+                if (!rd_int(r, &v, &neg) || neg || v > 0xffffffffULL)
+                    goto other;
+                put_le32(o + (size_t)i * 4, (uint32_t)v);
+            }
+            ntok = n;
+            break;
+        }
+        case K_BS:
+            if (!rd_int(r, &v, &neg) || neg || v == 0 || v > 0x7fffffff)
+                goto other; /* 0 (a placeholder) or a bad size: the general path */
+            bs = v;
+            break;
+        case K_LORA_ID: /* not part of a key (lora_name is) */
+        case K_SWA:
+            if (!rd_nil(r) && !rd_int(r, &v, &neg))
+                goto other;
+            break;
+        case K_MEDIUM:
+            if (rd_nil(r))
+                break;
+            if (!rd_str(r, &sv, &sl) || !str_is(sv, sl, "GPU"))
+                goto other;
+            break;
+        case K_LORA_NAME:
+        case K_EXTRA:
+        case K_LOCALITY:
+        case K_OWNERSHIP:
+        case K_LOOKAHEAD:
+            if (!rd_nil(r))
+                goto other;
+            break;
+        case K_GROUP:
+            if (rd_nil(r))
+                break;
+            if (!rd_int(r, &v, &neg))
+                goto other;
+            group = int_obj(v, neg);
+            if (group == NULL)
+                goto error;
+            break;
+        case K_KIND:
+            if (rd_nil(r))
+                break;
+            if (!rd_str(r, &sv, &sl))
+                goto other;
+            kind = PyUnicode_DecodeUTF8(sv, sl, NULL);
+            if (kind == NULL) {
+                PyErr_Clear(); /* not UTF-8: the decoder says so */
+                goto other;
+            }
+            break;
+        case K_SESSION:
+            if (!rd_nil(r) && !rd_str(r, &sv, &sl))
+                goto other;
+            break;
+        }
+    }
+    if (!(seen & K_TYPE) || !(seen & K_HASHES) || !(seen & K_TOKENS) || !(seen & K_BS) || ntok != nblocks * bs)
+        goto other;
+    PyObject *out = Py_BuildValue("(NNNKNNnn)", hashes, parent ? parent : (Py_INCREF(Py_None), Py_None), tokens,
+                                  (unsigned long long)bs, group ? group : (Py_INCREF(Py_None), Py_None),
+                                  kind ? kind : (Py_INCREF(Py_None), Py_None), (Py_ssize_t)(start - base),
+                                  (Py_ssize_t)(r->p - base));
+    return out;
+other:
+    Py_XDECREF(hashes);
+    Py_XDECREF(tokens);
+    Py_XDECREF(parent);
+    Py_XDECREF(group);
+    Py_XDECREF(kind);
+    return NULL;
+error:
+    Py_XDECREF(hashes);
+    Py_XDECREF(tokens);
+    Py_XDECREF(parent);
+    Py_XDECREF(group);
+    Py_XDECREF(kind);
+    return NULL;
+}
+
+PyDoc_STRVAR(scan_gpu_batch_doc,
+"scan_gpu_batch(payload) -> (ts, dp_rank, stores) or None\n\n"
+"A vLLM map-layout batch whose every event is a plain GPU BlockStored, read in one\n"
+"pass with no Python object per block or token: each store as (hashes: little-endian\n"
+"uint64 bytes, parent hash or None, token ids: little-endian uint32 bytes, block_size,\n"
+"group_idx or None, kv_cache_spec_kind or None, start, end), start:end its bytes in\n"
+"the payload. Plain: int hashes, block_size > 0 and token ids for every block, medium\n"
+"GPU or absent, no LoRA, extra keys, locality, ownership or lookahead tokens, and no\n"
+"field the decoder does not know. None for anything else (wire.decode_batch decides).");
+
+static PyObject *
+scan_gpu_batch(PyObject *Py_UNUSED(mod), PyObject *payload)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    const unsigned char *base = view.buf;
+    Rd r = {base, base + view.len};
+    PyObject *stores = NULL, *dp = NULL, *res = NULL;
+    uint32_t nb, ne;
+    double ts;
+    if (!rd_len(&r, 0x90, 0x9f, 0xdc, 0xdd, &nb) || (nb != 2 && nb != 3) || r.p >= r.end)
+        goto none;
+    unsigned char c = *r.p;
+    if (c == 0xcb && r.end - r.p >= 9) {
+        uint64_t u = be(r.p + 1, 8);
+        memcpy(&ts, &u, 8);
+        r.p += 9;
+    }
+    else if (c == 0xca && r.end - r.p >= 5) {
+        uint32_t u = (uint32_t)be(r.p + 1, 4);
+        float fl;
+        memcpy(&fl, &u, 4);
+        ts = fl;
+        r.p += 5;
+    }
+    else {
+        uint64_t v;
+        int neg;
+        if (!rd_int(&r, &v, &neg))
+            goto none;
+        ts = neg ? (double)(int64_t)v : (double)v;
+    }
+    if (!(ts - ts == 0.0)) /* NaN or infinite: decode_batch refuses the batch */
+        goto none;
+    if (!rd_len(&r, 0x90, 0x9f, 0xdc, 0xdd, &ne) || ne > (uint64_t)(r.end - r.p))
+        goto none;
+    stores = PyList_New(ne);
+    if (stores == NULL)
+        goto done;
+    for (uint32_t i = 0; i < ne; i++) {
+        PyObject *st = scan_store(&r, base);
+        if (st == NULL) {
+            if (PyErr_Occurred())
+                goto done;
+            goto none;
+        }
+        PyList_SET_ITEM(stores, i, st);
+    }
+    if (nb == 3 && !rd_nil(&r)) {
+        uint64_t v;
+        int neg;
+        if (!rd_int(&r, &v, &neg))
+            goto none;
+        dp = int_obj(v, neg);
+        if (dp == NULL)
+            goto done;
+    }
+    if (r.p != r.end)
+        goto none; /* trailing bytes: the decoder refuses them */
+    res = Py_BuildValue("(dNN)", ts, dp ? dp : (Py_INCREF(Py_None), Py_None), stores);
+    dp = stores = NULL;
+    goto done;
+none:
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    Py_XDECREF(dp);
+    Py_XDECREF(stores);
+    PyBuffer_Release(&view);
+    return res;
 }
 
 static inline int
@@ -2665,6 +3121,8 @@ static PyMethodDef core_methods[] = {
     {"tokens_from_msgpack", (PyCFunction)tokens_from_msgpack, METH_O, tokens_from_msgpack_doc},
     {"split_tokens_json", (PyCFunction)split_tokens_json, METH_O, split_tokens_json_doc},
     {"insert_gpu", (PyCFunction)(void (*)(void))insert_gpu, METH_FASTCALL, insert_gpu_doc},
+    {"insert_gpu_raw", (PyCFunction)(void (*)(void))insert_gpu_raw, METH_FASTCALL, insert_gpu_raw_doc},
+    {"scan_gpu_batch", (PyCFunction)scan_gpu_batch, METH_O, scan_gpu_batch_doc},
     {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL, walk_doc},
     {"remove_gpu", (PyCFunction)(void (*)(void))remove_gpu, METH_FASTCALL, remove_gpu_doc},
     {"dump_tree", (PyCFunction)(void (*)(void))dump_tree, METH_FASTCALL, dump_tree_doc},

@@ -194,6 +194,27 @@ def block_keys(
     """
 
 
+def insert_gpu_raw(
+    wmap: U64Map,
+    parent: Node,
+    hashes: bytes,
+    tokens: bytes,
+    block_size: int,
+    seed: int,
+    bit: int,
+    dupkey: int,
+    /,
+) -> tuple[Node, int, int]:
+    """insert_gpu with little-endian uint64 hashes and uint32 tokens (bytes); each new
+    block's key is the xxh3-64 of its tokens with ``seed``."""
+
+
+def scan_gpu_batch(
+    payload: Buffer, /
+) -> tuple[float, int | None, list[tuple[bytes, int | None, bytes, int, int | None, str | None, int, int]]] | None:
+    """A batch of plain GPU stores read in one pass (see _core.c); None for anything else."""
+
+
 def tokens_from_msgpack(raw: Buffer, /) -> bytes | None:
     """A msgpack array of ints in [0, 2**32) as little-endian uint32 bytes; None otherwise."""
 

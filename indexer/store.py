@@ -4,8 +4,9 @@ removals and the worker lifecycle. The only writer of the trees with
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -13,8 +14,8 @@ from .keys import KEY_SEED, block_keys, seeds_for_blocks
 from .lifecycle import Lifecycle
 from .sequencer import DUPLICATE, GAP, RESTART, classify
 from .state import _WG, GPU, _Worker
-from .tree import DEAD, Node, Tree, dup_add, insert_gpu, walk
-from .wire import REMOVED, STORED, DecodeError, decode_batch, raw_array_len, token_bytes
+from .tree import DEAD, Node, Tree, dup_add, insert_gpu, insert_gpu_raw, walk
+from .wire import REMOVED, STORED, DecodeError, decode_batch, decode_event, raw_array_len, scan_gpu_batch, token_bytes
 
 if TYPE_CHECKING:
     from .vllm_events import Hash
@@ -28,18 +29,26 @@ class Store(Lifecycle):
 
     def _apply(self, engine: str, payload: bytes, model: str, dp_rank: int | None, seq: int | None,
                decide: bool) -> tuple[str, float | None]:
-        try:
-            batch = decode_batch(payload)
-        except DecodeError as e:
-            return self._bad_batch(engine, model, dp_rank, seq, e.reason)
-        rank = batch.dp_rank if batch.dp_rank is not None else (dp_rank or 0)
+        # The common batch (plain GPU stores only) is read in one pass by the compiled
+        # core; anything else, or no core, goes through the typed decoder.
+        scanned = scan_gpu_batch(payload) if scan_gpu_batch is not None else None
+        if scanned is not None:
+            ts, brank, stores = scanned
+            batch = None
+        else:
+            try:
+                batch = decode_batch(payload)
+            except DecodeError as e:
+                return self._bad_batch(engine, model, dp_rank, seq, e.reason)
+            ts, brank = batch.ts, batch.dp_rank
+        rank = brank if brank is not None else (dp_rank or 0)
         if rank.__class__ is not int or rank < 0 or rank > self.max_dp_rank:
             return self._bad_batch(engine, model, dp_rank, seq, "bad_dp_rank")
         w = self._worker(engine, rank, model)
         if seq is not None:
             last = w.last_seq
             if decide:
-                verdict = classify(last, w.last_ts, seq, batch.ts)
+                verdict = classify(last, w.last_ts, seq, ts)
                 if verdict == GAP:
                     w.gaps += 1
                     self._count("sequence_gaps")
@@ -54,7 +63,7 @@ class Store(Lifecycle):
                 w.gaps += 1
                 self._count("sequence_gaps")
             w.last_seq = seq
-        if batch.issues:
+        if batch is not None and batch.issues:
             unknown = self._events[3]
             for k, v in batch.issues.items():
                 unknown[k] = unknown.get(k, 0) + v
@@ -62,24 +71,30 @@ class Store(Lifecycle):
             # Expire first: an orphan past its age bound is not adopted by this batch.
             self._expire_orphans()
         ev_counts = self._events
-        for ev in batch.events:
-            kind = ev.kind
-            if kind == STORED:
-                outcome = self._on_store(w, ev)
-            elif kind == REMOVED:
-                outcome = self._on_remove(w, ev)
-            else:
-                outcome = self._on_clear(w)
-            c = ev_counts[kind]
-            c[outcome] = c.get(outcome, 0) + 1
-        w.last_ts = batch.ts
+        if batch is None:
+            c = ev_counts[STORED]
+            for st in stores:
+                outcome = self._on_scanned_store(w, st, payload)
+                c[outcome] = c.get(outcome, 0) + 1
+        else:
+            for ev in batch.events:
+                kind = ev.kind
+                if kind == STORED:
+                    outcome = self._on_store(w, ev)
+                elif kind == REMOVED:
+                    outcome = self._on_remove(w, ev)
+                else:
+                    outcome = self._on_clear(w)
+                c = ev_counts[kind]
+                c[outcome] = c.get(outcome, 0) + 1
+        w.last_ts = ts
         w.last_apply = self._clock()
         w.refresh()
         w.batches += 1
         self._count("batches_applied")
         if self.inflight.pending:
             self._check_announced(w)
-        return "applied", batch.ts
+        return "applied", ts
 
     def _check_announced(self, w: _Worker) -> None:
         """End the prefill of ``w``'s routed requests whose prompts it now holds on GPU."""
@@ -139,6 +154,45 @@ class Store(Lifecycle):
         if g < 0 or g >= self.max_groups:
             return -1
         return g
+
+    def _on_scanned_store(self, w: _Worker, st: tuple[Any, ...], payload: bytes) -> str:
+        """A plain GPU store read by ``scan_gpu_batch``: :meth:`_on_store` and
+        :meth:`_insert` for a known, uncapped tree and a parent the worker maps (or none),
+        with no Python object per block; blocks it holds already count as duplicates in
+        the compiled loop, as in the general one (R-APP-2). Any other case, and before
+        anything changes, decodes the event as the typed decoder does and takes
+        :meth:`_on_store`: the same outcome and state either way."""
+        hashes, ph, tokens, bs, g, kind, start, end = st
+        tid = self._tier("GPU", None)
+        if g is not None and (g < 0 or g >= self.max_groups):
+            return "bad_group"
+        group = 0 if g is None else g
+        m = self._models[w.model]
+        tree = m.trees.get(group)
+        wg = w.groups.get(group)
+        parent: Node | None = None
+        if tid == GPU and tree is not None and tree.stamps is None and tree.block_size == bs:
+            wmap = wg.map if wg is not None else None
+            if ph is None:
+                parent = tree.root
+            elif wmap is not None:
+                parent = wmap.get(ph)
+                if parent is not None and parent.parent is DEAD:
+                    parent = None
+        if parent is None:
+            return self._on_store(w, decode_event(payload[start:end]))
+        if kind is not None and m.kinds.get(group) is None:
+            m.set_kind(group, kind)
+        if wg is None:
+            wg = w.groups[group] = _WG()
+        n = len(hashes) >> 3
+        _, created, new = insert_gpu_raw(wg.map, parent, hashes, tokens, bs, KEY_SEED, w.bit, w.wid << 5)
+        tree.nodes += created  # type: ignore[union-attr]  # checked above
+        wg.res[GPU] += new
+        outcome = "applied" if new == n else "applied_with_duplicates"
+        if wg.orphans:
+            self._adopt(tree, wg, w, struct.unpack(f"<{n}Q", hashes))  # type: ignore[arg-type]  # checked above
+        return outcome
 
     def _on_store(self, w: _Worker, ev: StoredEvent) -> str:
         loc = ev.locality

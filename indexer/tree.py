@@ -37,8 +37,8 @@ from msgspec import Struct
 from ._compiled import COMPILED
 from ._compiled import core as _core
 
-__all__ = ["Node", "Tree", "DEAD", "MAX_TIERS", "Kids", "COMPILED", "dup_add", "insert_gpu", "link_child", "remove_gpu",
-           "walk"]
+__all__ = ["Node", "Tree", "DEAD", "MAX_TIERS", "Kids", "COMPILED", "dup_add", "insert_gpu", "insert_gpu_raw",
+           "link_child", "remove_gpu", "walk"]
 
 # Tier ids are packed into 5 bits of the ``dup`` keys.
 MAX_TIERS = 32
@@ -170,7 +170,7 @@ def _py_walk(
 if TYPE_CHECKING:
     # One name each for the type checker: the compiled core's (indexer/_core.pyi);
     # the pure-Python twins have the same layout and signatures.
-    from ._core import DEAD, Node, _Hashes, insert_gpu, walk
+    from ._core import DEAD, Node, _Hashes, insert_gpu, insert_gpu_raw, walk
     from ._core import U64Map as Kids
 
     remove_gpu: Callable[[Kids, Node, _Hashes, int, int], tuple[int, int, int]] | None
@@ -179,6 +179,7 @@ elif _core is not None:  # see _compiled.py
     Kids = _core.U64Map  # a node's children when it has several: key -> node
     DEAD = _core.DEAD
     insert_gpu = _core.insert_gpu
+    insert_gpu_raw = _core.insert_gpu_raw  # only reached through wire.scan_gpu_batch: compiled too
     walk = _core.walk
     # No pure twin: without the core, removals take PrefixIndex's general loop.
     remove_gpu = _core.remove_gpu
@@ -187,6 +188,7 @@ else:
     Kids = dict
     DEAD = Node(None, None)
     insert_gpu = _py_insert_gpu
+    insert_gpu_raw = None  # wire.scan_gpu_batch is None without the core: never called
     walk = _py_walk
     remove_gpu = None
 

@@ -44,6 +44,8 @@ __all__ = [
     "token_bytes",
     "encode_stored",
     "decode_stored",
+    "decode_event",
+    "scan_gpu_batch",
 ]
 
 # Every struct below is built from the one declaration of vLLM's events in
@@ -283,6 +285,19 @@ def decode_tokens(raw: Raw) -> list[int]:
 
 
 _c_tokens: Callable[[Raw], bytes | None] | None = _core.tokens_from_msgpack if _core is not None else None
+
+# (payload) -> (ts, dp_rank, [(hashes u64 LE bytes, parent hash | None, tokens u32 LE bytes, block_size,
+# group_idx | None, kv_cache_spec_kind | None, start, end), ...]) | None: indexer/_core.pyi
+scan_gpu_batch: Callable[[bytes], tuple[float, int | None, list[tuple[Any, ...]]] | None] | None = (
+    getattr(_core, "scan_gpu_batch", None) if _core is not None else None
+)
+
+
+def decode_event(raw: bytes) -> StoredEvent:
+    """One map-layout event's bytes (a ``scan_gpu_batch`` store's ``payload[start:end]``)
+    decoded as :func:`decode_batch` decodes it (raises ``msgspec.DecodeError``)."""
+    ev: StoredEvent = _map_event.decode(raw)
+    return ev
 
 
 def token_bytes(raw: Raw) -> bytes:
