@@ -162,3 +162,38 @@ def test_R_TXT_5_a_missing_or_broken_tokenizer_stops_the_start_naming_the_model(
     out = subprocess.run([sys.executable, "-m", "api.cli", "serve", "--check"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60, env={**os.environ, "KVI_TOKENIZERS": json.dumps({"z": str(bad)})})
     assert out.returncode == 0 and json.loads(out.stdout)["tokenizers"] == {"z": str(bad)}
+
+
+def test_R_TXT_7_tokenizing_leaves_the_event_loop_free(world):
+    """R-TXT-7: while a very long prompt is tokenized, another request is answered first.
+
+    The long request is sent whole, then the server is given time to read it and start
+    tokenizing (~1 M tokens: seconds) before /healthz goes out on a second connection.
+    Tokenized on the event loop, the long prompt would hold /healthz until it finished;
+    off the loop, /healthz comes back first."""
+    import socket
+    import threading
+    import time
+
+    s, _, _, _ = world
+    body = json.dumps({"model": "chatml", "prompt": "token routing prefix cache " * 250_000}).encode()
+    done: list[str] = []
+
+    def long_request() -> None:
+        with socket.create_connection(("127.0.0.1", s.port), timeout=120) as c:
+            c.sendall(b"POST /v1/match HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            sent.set()
+            assert c.recv(64).startswith(b"HTTP/1.1 ")
+            done.append("long")
+
+    sent = threading.Event()
+    t = threading.Thread(target=long_request)
+    t.start()
+    assert sent.wait(60)
+    time.sleep(0.5)  # the server reads the body and starts tokenizing
+    assert not done, "the long prompt was answered before it could be overtaken: make it longer"
+    assert s.client.get("/healthz")[0] == 200
+    done.append("healthz")
+    t.join(120)
+    assert done == ["healthz", "long"]
