@@ -1246,85 +1246,6 @@ be(const unsigned char *p, int n)
     return v;
 }
 
-PyDoc_STRVAR(tokens_from_msgpack_doc,
-"tokens_from_msgpack(raw) -> bytes | None\n\n"
-"A msgpack array of ints in [0, 2**32) (an event's token_ids) as little-endian\n"
-"uint32 bytes; None for anything else (nil, other types, out of range, trailing bytes).");
-
-static PyObject *
-tokens_from_msgpack(PyObject *Py_UNUSED(mod), PyObject *raw)
-{
-    Py_buffer view;
-    if (PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE) < 0)
-        return NULL;
-    const unsigned char *p = view.buf, *end = p + view.len;
-    PyObject *out = NULL;
-    uint64_t n;
-    if (p >= end)
-        goto none;
-    if (*p >= 0x90 && *p <= 0x9f) {
-        n = *p & 0x0f;
-        p += 1;
-    }
-    else if (*p == 0xdc && end - p >= 3) {
-        n = be(p + 1, 2);
-        p += 3;
-    }
-    else if (*p == 0xdd && end - p >= 5) {
-        n = be(p + 1, 4);
-        p += 5;
-    }
-    else
-        goto none;
-    if (n > (uint64_t)(end - p)) /* every element takes at least one byte */
-        goto none;
-    out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * 4));
-    if (out == NULL)
-        goto done;
-    unsigned char *o = (unsigned char *)PyBytes_AS_STRING(out);
-    for (uint64_t i = 0; i < n; i++) {
-        if (p >= end)
-            goto none;
-        unsigned char c = *p;
-        uint64_t v;
-        int w;
-        if (c <= 0x7f) {
-            v = c;
-            w = 0;
-        }
-        else if (c >= 0xcc && c <= 0xcf) { /* uint 8/16/32/64 */
-            w = 1 << (c - 0xcc);
-            if (end - p < 1 + w)
-                goto none;
-            v = be(p + 1, w);
-        }
-        else if (c >= 0xd0 && c <= 0xd3) { /* int 8/16/32/64: only non-negative values */
-            w = 1 << (c - 0xd0);
-            if (end - p < 1 + w || (p[1] & 0x80))
-                goto none;
-            v = be(p + 1, w);
-        }
-        else
-            goto none;
-        if (v > 0xffffffffULL)
-            goto none;
-        put_le32(o + i * 4, (uint32_t)v);
-        p += 1 + w;
-    }
-    if (p != end)
-        goto none;
-    goto done;
-none:
-    Py_XDECREF(out);
-    out = Py_None;
-    Py_INCREF(out);
-done:
-    PyBuffer_Release(&view);
-    return out;
-}
-
-/* ------------------------------------------------------- scan_gpu_batch */
-
 /* A msgpack reader over [p, end): each rd_* consumes one value of its kind and
  * returns 1, or returns 0 and consumes nothing when the next value is another kind
  * (or truncated). */
@@ -1434,6 +1355,61 @@ int_obj(uint64_t v, int neg)
     return neg ? PyLong_FromLongLong((long long)(int64_t)v) : PyLong_FromUnsignedLongLong(v);
 }
 
+/* A msgpack array of ints in [0, 2**32) at r as little-endian uint32 bytes (*out, a
+ * new bytes object, and its length in *count): 1; 0 for anything else (*out NULL);
+ * -1 on an error (memory). */
+static int
+rd_tokens(Rd *r, PyObject **out, uint32_t *count)
+{
+    uint32_t n;
+    *out = NULL;
+    if (!rd_len(r, 0x90, 0x9f, 0xdc, 0xdd, &n) || n > (uint64_t)(r->end - r->p))
+        return 0; /* every element takes at least one byte */
+    PyObject *b = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n * 4);
+    if (b == NULL)
+        return -1;
+    unsigned char *o = (unsigned char *)PyBytes_AS_STRING(b);
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t v;
+        int neg;
+        if (!rd_int(r, &v, &neg) || neg || v > 0xffffffffULL) {
+            Py_DECREF(b);
+            return 0;
+        }
+        put_le32(o + (size_t)i * 4, (uint32_t)v);
+    }
+    *out = b;
+    *count = n;
+    return 1;
+}
+
+PyDoc_STRVAR(tokens_from_msgpack_doc,
+"tokens_from_msgpack(raw) -> bytes | None\n\n"
+"A msgpack array of ints in [0, 2**32) (an event's token_ids) as little-endian\n"
+"uint32 bytes; None for anything else (nil, other types, out of range, trailing bytes).");
+
+static PyObject *
+tokens_from_msgpack(PyObject *Py_UNUSED(mod), PyObject *raw)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    Rd r = {view.buf, (const unsigned char *)view.buf + view.len};
+    PyObject *out;
+    uint32_t n;
+    int st = rd_tokens(&r, &out, &n);
+    PyBuffer_Release(&view);
+    if (st < 0)
+        return NULL;
+    if (st == 0 || r.p != r.end) {
+        Py_XDECREF(out);
+        Py_RETURN_NONE;
+    }
+    return out;
+}
+
+/* ------------------------------------------------------- scan_gpu_batch */
+
 static int
 str_is(const char *s, uint32_t n, const char *lit)
 {
@@ -1518,7 +1494,7 @@ scan_store(Rd *r, const unsigned char *base)
                 goto other;
             hashes = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n * 8);
             if (hashes == NULL)
-                goto error;
+                goto other;
             unsigned char *o = (unsigned char *)PyBytes_AS_STRING(hashes);
             for (uint32_t i = 0; i < n; i++) {
                 if (!rd_int(r, &v, &neg) || neg)
@@ -1536,21 +1512,12 @@ scan_store(Rd *r, const unsigned char *base)
                 goto other;
             parent = PyLong_FromUnsignedLongLong(v);
             if (parent == NULL)
-                goto error;
+                goto other;
             break;
         case K_TOKENS: {
             uint32_t n;
-            if (!rd_len(r, 0x90, 0x9f, 0xdc, 0xdd, &n) || n > (uint64_t)(r->end - r->p))
-                goto other;
-            tokens = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n * 4);
-            if (tokens == NULL)
-                goto error;
-            unsigned char *o = (unsigned char *)PyBytes_AS_STRING(tokens);
-            for (uint32_t i = 0; i < n; i++) {
-                if (!rd_int(r, &v, &neg) || neg || v > 0xffffffffULL)
-                    goto other;
-                put_le32(o + (size_t)i * 4, (uint32_t)v);
-            }
+            if (rd_tokens(r, &tokens, &n) <= 0)
+                goto other; /* another shape, or out of memory (error set) */
             ntok = n;
             break;
         }
@@ -1585,7 +1552,7 @@ scan_store(Rd *r, const unsigned char *base)
                 goto other;
             group = int_obj(v, neg);
             if (group == NULL)
-                goto error;
+                goto other;
             break;
         case K_KIND:
             if (rd_nil(r))
@@ -1611,14 +1578,7 @@ scan_store(Rd *r, const unsigned char *base)
                                   kind ? kind : (Py_INCREF(Py_None), Py_None), (Py_ssize_t)(start - base),
                                   (Py_ssize_t)(r->p - base));
     return out;
-other:
-    Py_XDECREF(hashes);
-    Py_XDECREF(tokens);
-    Py_XDECREF(parent);
-    Py_XDECREF(group);
-    Py_XDECREF(kind);
-    return NULL;
-error:
+other: /* another shape (no error set) or out of memory (error set): the caller tells */
     Py_XDECREF(hashes);
     Py_XDECREF(tokens);
     Py_XDECREF(parent);
