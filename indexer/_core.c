@@ -83,6 +83,47 @@ mix64(uint64_t x)
     return x;
 }
 
+/* Byte orders on the wire: msgpack is big-endian, our packed columns little-endian. */
+static inline void
+put_le32(unsigned char *o, uint32_t v)
+{
+    o[0] = (unsigned char)v;
+    o[1] = (unsigned char)(v >> 8);
+    o[2] = (unsigned char)(v >> 16);
+    o[3] = (unsigned char)(v >> 24);
+}
+
+static inline uint64_t
+be(const unsigned char *p, int n)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < n; i++)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+static inline void
+put_le64(unsigned char *o, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        o[i] = (unsigned char)(v >> (8 * i));
+}
+
+static inline uint32_t
+get_le32(const unsigned char *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static inline uint64_t
+get_le64(const unsigned char *p)
+{
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--)
+        v = (v << 8) | p[i];
+    return v;
+}
+
 /* 1: *out holds the key; 0: not an int in [0, 2**64) (use the dict); -1: error. */
 static inline int
 as_u64(PyObject *k, uint64_t *out)
@@ -807,8 +848,25 @@ PyDoc_STRVAR(insert_gpu_doc,
 "`wmap` and the nodes' gpu and dup. Returns the last node, the nodes created\n"
 "and the residencies added. Same steps as tree.insert_gpu.");
 
+/* Room for n uint64 values, plus n flag bytes after them with `flags`: `stack` (SCRATCH
+ * words) when that fits, else the heap (free it when it is not `stack`); NULL with
+ * MemoryError set when the heap has none. */
+#define SCRATCH 144
+static uint64_t *
+scratch(uint64_t *stack, Py_ssize_t n, int flags)
+{
+    size_t need = (size_t)n * sizeof(uint64_t) + (flags ? (size_t)n : 0);
+    if (need <= SCRATCH * sizeof(uint64_t))
+        return stack;
+    uint64_t *p = PyMem_Malloc(need);
+    if (p == NULL)
+        PyErr_NoMemory();
+    return p;
+}
+
 /* The loop of a GPU store (tree.insert_gpu is its reference): n blocks with hashes
- * hv[i] (ok[i] = 0: not a uint64, look hashes[i] up through the map's dict) and keys
+ * hv[i] (ok NULL: all are uint64s; ok[i] = 0: not one, look hashes[i] up through the
+ * map's dict) and keys
  * either keys[i] (a list of ints) or, with keys NULL, the xxh3-64 with `seed` of block
  * i of the little-endian uint32 `tokens` (block_size tokens a block), computed only
  * for the blocks that are new. Returns (last node, created, added). */
@@ -832,7 +890,7 @@ insert_loop(U64Map *wmap, Node *parent, Py_ssize_t n, const uint64_t *hv, const 
     {
         size_t mask = (size_t)wmap->cap - 1;
         for (Py_ssize_t i = 0; i < n; i++)
-            if (ok[i])
+            if (ok == NULL || ok[i])
                 __builtin_prefetch(&wmap->slots[(size_t)mix64(hv[i]) & mask]);
     }
     size_t step = (size_t)block_size * 4;
@@ -840,7 +898,8 @@ insert_loop(U64Map *wmap, Node *parent, Py_ssize_t n, const uint64_t *hv, const 
     for (Py_ssize_t i = 0; i < n; i++) {
         int err = 0;
         Node *node;
-        if (ok[i]) {
+        int u64 = ok == NULL || ok[i];
+        if (u64) {
             Py_ssize_t j = map_find(wmap, hv[i]);
             node = j < 0 ? NULL : (Node *)wmap->slots[j].val;
             if (node != NULL && !IS_NODE(node)) {
@@ -895,7 +954,7 @@ insert_loop(U64Map *wmap, Node *parent, Py_ssize_t n, const uint64_t *hv, const 
                         Py_DECREF(km);
                     }
                 }
-                if (st < 0 || (ok[i] ? map_put(wmap, hv[i], (PyObject *)nn)
+                if (st < 0 || (u64 ? map_put(wmap, hv[i], (PyObject *)nn)
                                      : map_store(wmap, PyList_GET_ITEM(hashes, i), (PyObject *)nn)) < 0) {
                     Py_DECREF(nn); /* out of memory, or a tree that is not one */
                     goto fail;
@@ -905,7 +964,7 @@ insert_loop(U64Map *wmap, Node *parent, Py_ssize_t n, const uint64_t *hv, const 
                 parent = nn; /* owns the reference from node_make */
                 continue;
             }
-            if ((ok[i] ? map_put(wmap, hv[i], (PyObject *)node)
+            if ((u64 ? map_put(wmap, hv[i], (PyObject *)node)
                        : map_store(wmap, PyList_GET_ITEM(hashes, i), (PyObject *)node)) < 0)
                 goto fail;
         }
@@ -955,16 +1014,11 @@ insert_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
     /* Each hash read once as a uint64 (hv; ok[i] = 0 for a bytes or out-of-range
      * hash, which goes through the map's dict): a 64-bit int is several digits, and
      * converting it costs as much as the probe it feeds. */
-    uint64_t hstack[128];
-    char okstack[128];
-    uint64_t *hv = hstack;
-    char *ok = okstack;
-    if (n > 128) {
-        hv = PyMem_Malloc((size_t)n * (sizeof(uint64_t) + 1));
-        if (hv == NULL)
-            return PyErr_NoMemory();
-        ok = (char *)(hv + n);
-    }
+    uint64_t stack[SCRATCH];
+    uint64_t *hv = scratch(stack, n, 1);
+    if (hv == NULL)
+        return NULL;
+    char *ok = (char *)(hv + n);
     PyObject *res = NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         int r = as_u64(PyList_GET_ITEM(hashes, i), &hv[i]);
@@ -974,7 +1028,7 @@ insert_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
     }
     res = insert_loop((U64Map *)args[0], (Node *)args[1], n, hv, ok, hashes, keys, NULL, 0, 0, args[4], args[5]);
 done:
-    if (hv != hstack)
+    if (hv != stack)
         PyMem_Free(hv);
     return res;
 }
@@ -1005,28 +1059,17 @@ insert_gpu_raw(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs
         PyErr_SetString(PyExc_ValueError, "insert_gpu_raw: hashes must be 8-byte values and tokens cover every block");
         return NULL;
     }
-    uint64_t hstack[128];
-    char okstack[128] = {0};
-    uint64_t *hv = hstack;
-    char *ok = okstack;
-    if (n > 128) {
-        hv = PyMem_Malloc((size_t)n * (sizeof(uint64_t) + 1));
-        if (hv == NULL)
-            return PyErr_NoMemory();
-        ok = (char *)(hv + n);
-    }
+    uint64_t stack[SCRATCH];
+    uint64_t *hv = scratch(stack, n, 0);
+    if (hv == NULL)
+        return NULL;
     const unsigned char *hb = (const unsigned char *)PyBytes_AS_STRING(args[2]);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t v = 0;
-        for (int b = 7; b >= 0; b--)
-            v = (v << 8) | hb[i * 8 + b];
-        hv[i] = v;
-        ok[i] = 1;
-    }
-    PyObject *res = insert_loop((U64Map *)args[0], (Node *)args[1], n, hv, ok, NULL, NULL,
+    for (Py_ssize_t i = 0; i < n; i++)
+        hv[i] = get_le64(hb + i * 8);
+    PyObject *res = insert_loop((U64Map *)args[0], (Node *)args[1], n, hv, NULL, NULL, NULL,
                                 (const unsigned char *)PyBytes_AS_STRING(args[3]), bs, (uint64_t)seed, args[6],
                                 args[7]);
-    if (hv != hstack)
+    if (hv != stack)
         PyMem_Free(hv);
     return res;
 }
@@ -1228,23 +1271,6 @@ fail:
     return NULL;
 }
 
-static inline void
-put_le32(unsigned char *o, uint32_t v)
-{
-    o[0] = (unsigned char)v;
-    o[1] = (unsigned char)(v >> 8);
-    o[2] = (unsigned char)(v >> 16);
-    o[3] = (unsigned char)(v >> 24);
-}
-
-static inline uint64_t
-be(const unsigned char *p, int n)
-{
-    uint64_t v = 0;
-    for (int i = 0; i < n; i++)
-        v = (v << 8) | p[i];
-    return v;
-}
 
 /* A msgpack reader over [p, end): each rd_* consumes one value of its kind and
  * returns 1, or returns 0 and consumes nothing when the next value is another kind
@@ -1499,8 +1525,7 @@ scan_store(Rd *r, const unsigned char *base)
             for (uint32_t i = 0; i < n; i++) {
                 if (!rd_int(r, &v, &neg) || neg)
                     goto other; /* bytes digests, negative ints: the decoder's path */
-                for (int b = 0; b < 8; b++)
-                    o[i * 8 + b] = (unsigned char)(v >> (8 * b));
+                put_le64(o + (size_t)i * 8, v);
             }
             nblocks = n;
             break;
@@ -2066,27 +2091,6 @@ remove_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
  * pure twins, snapshot._py_dump_tree and friends, are the reference: same
  * visiting order, so the same bytes. */
 
-static inline void
-put_le64(unsigned char *o, uint64_t v)
-{
-    for (int i = 0; i < 8; i++)
-        o[i] = (unsigned char)(v >> (8 * i));
-}
-
-static inline uint32_t
-get_le32(const unsigned char *p)
-{
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
-static inline uint64_t
-get_le64(const unsigned char *p)
-{
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--)
-        v = (v << 8) | p[i];
-    return v;
-}
 
 /* NodeIndex: a node's address -> its uint32 index in a dumped tree (node_index).
  * The addresses are what dump_tree and dump_map read under the index lock; the
