@@ -163,7 +163,6 @@ class Store(Lifecycle):
         anything changes, decodes the event as the typed decoder does and takes
         :meth:`_on_store`: the same outcome and state either way."""
         hashes, ph, tokens, bs, g, kind, start, end = st
-        tid = self._tier("GPU", None)
         if g is not None and (g < 0 or g >= self.max_groups):
             return "bad_group"
         group = 0 if g is None else g
@@ -171,7 +170,7 @@ class Store(Lifecycle):
         tree = m.trees.get(group)
         wg = w.groups.get(group)
         parent: Node | None = None
-        if tid == GPU and tree is not None and tree.stamps is None and tree.block_size == bs:
+        if tree is not None and tree.stamps is None and tree.block_size == bs:  # GPU: a tier always in use
             wmap = wg.map if wg is not None else None
             if ph is None:
                 parent = tree.root
