@@ -104,7 +104,7 @@ class Workload:
             self.payloads.append(pls)
         # The last sequence of each engine is its own (never a shared one), so "matched" means
         # that engine's last batch is applied.
-        self.last = [self.seqs - 1 if (self.seqs - 1) % 10 else self.seqs - 2 for _ in range(workers)]
+        self.last = self.seqs - 1 if (self.seqs - 1) % 10 else self.seqs - 2
 
     def tokens(self, w: int, s: int) -> list[int]:
         return (self.shared[s // 10] if s % 10 == 0 else self.own[w][s]).tolist()
@@ -250,7 +250,7 @@ def ingest(client: Client, pubs: list[VllmPublisher], wl: Workload, path: str, t
     time so far (1-10 ms): the polling costs the server ~1% of a core, and the clock's
     resolution is ~2% of the figure. (Polling every engine every 2 ms kept a third of a
     core busy answering.)"""
-    pending = [(w, query_body(wl.tokens(w, wl.last[w]))) for w in range(wl.workers)]
+    pending = [(w, query_body(wl.tokens(w, wl.last))) for w in range(wl.workers)]
     t0 = time.perf_counter()
     for w, payload in wl.interleaved():
         pubs[w].publish_payload(payload)
@@ -302,10 +302,10 @@ def run_ingest(args, wl: Workload, kinds: list[str]) -> dict:
     return runs
 
 
-def summarize(runs: dict[str, list[dict]], keys: list[tuple[str, str, bool]]) -> list[list]:
+def summarize(runs: dict[str, list[dict]], keys: list[tuple[str, str]]) -> list[list]:
     """Rows: figure, per server median [min-max], ratio ours/Dynamo of the medians."""
     rows = []
-    for key, label, _higher_better in keys:
+    for key, label in keys:
         row = [label]
         meds = {}
         for kind, figs in runs.items():
@@ -428,13 +428,13 @@ def main() -> None:
                                                                       for k, d in res.items()}})
             continue
         runs = run_ingest(args, wl, kinds)
-        keys = [("blocks_per_s", "ingest blocks/s", True), ("bytes_per_entry", "RSS growth B/entry", False),
-                ("query_median_us", "query median us", False), ("query_p99_us", "query p99 us", False),
-                ("ingest_s", "ingest s", False),
-                ("cpu_us_per_block", "server CPU us per block ingested", False)]
+        keys = [("blocks_per_s", "ingest blocks/s"), ("bytes_per_entry", "RSS growth B/entry"),
+                ("query_median_us", "query median us"), ("query_p99_us", "query p99 us"),
+                ("ingest_s", "ingest s"),
+                ("cpu_us_per_block", "server CPU us per block ingested")]
         if args.calls:
-            keys += [("route_median_us", "our /v1/route median us", False),
-                     ("route_p99_us", "our /v1/route p99 us", False)]
+            keys += [("route_median_us", "our /v1/route median us"),
+                     ("route_p99_us", "our /v1/route p99 us")]
         print(table(["figure"] + [f"{k} median [min-max]" for k in kinds] + (["ours/Dynamo"] if len(kinds) == 2
                                                                                else []),
                     summarize(runs, keys), f"{wl.entries:,} entries, {args.workers} engines, medians of "
