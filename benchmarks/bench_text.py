@@ -50,28 +50,17 @@ def corpus(n_words: int, seed: int) -> list[str]:
 
 
 def build_tokenizer(root: str, vocab: int, n_words: int) -> str:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from indexer.producer import tokenizer
 
-    from indexer.producer.tokenizer import CHATML
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     # Random words make few merges beyond them; add character n-grams so the vocabulary fills.
     lines = corpus(n_words, 1)
     rng = random.Random(2)
     lines += ["".join(rng.choice("abcdefghijklmnopqrstuvwxyzäöü") for _ in range(rng.randint(3, 9)))
               for _ in range(n_words // 4)]
-    tok.train_from_iterator(lines, trainer)
-    path = Path(root) / "tok"
-    path.mkdir()
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML, "eos_token": "<|im_end|>"}))
-    return str(path)
+    path = tokenizer.build(str(Path(root) / "tok"), vocab, lines)
+    if path is None:
+        raise SystemExit("bench_text needs the text extra: pip install -e '.[text]'")
+    return path
 
 
 def prompt_of(tok, n_tokens: int, seed: int) -> str:

@@ -29,8 +29,9 @@ CHATML = (
 )
 
 
-def build(path: str, vocab_size: int = 2000) -> str | None:
-    """Write the demo tokenizer to ``path`` (created); None when ``tokenizers`` is missing."""
+def build(path: str, vocab_size: int = 2000, texts: list[str] | None = None) -> str | None:
+    """Write the demo tokenizer to ``path`` (created), trained on ``texts`` (default: the
+    demo's own text); None when ``tokenizers`` is missing."""
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     except ImportError:
@@ -42,7 +43,7 @@ def build(path: str, vocab_size: int = 2000) -> str | None:
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_TEXT * 50, trainer)
+    tok.train_from_iterator(_TEXT * 50 if texts is None else texts, trainer)
     tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML, "eos_token": "<|im_end|>",
