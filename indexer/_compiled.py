@@ -18,3 +18,16 @@ if os.environ.get("KVI_PURE_PYTHON", "") in ("", "0"):
         core = None
 
 COMPILED = core is not None
+
+
+def prefault_arenas(n: int) -> bool:
+    """Have pymalloc take its arenas from a reserve of ``n`` (1..128) that a background
+    thread keeps faulted in (``indexer/_prefault.c``), process-wide: the page faults of
+    a growing index leave the thread that applies events. For a long-lived process that
+    grows an index (the service calls it at start). False when that module is not built
+    or the platform lacks it (not Linux); nothing changes then."""
+    try:
+        from . import _prefault
+    except ImportError:  # pragma: no cover - an install without a C compiler
+        return False
+    return bool(_prefault.install(n))
