@@ -69,8 +69,15 @@ class Client:
         self.headers = {"content-type": "application/json"}
 
     def call(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
-        self.conn.request(method, path, body, self.headers)
-        r = self.conn.getresponse()
+        try:
+            self.conn.request(method, path, body, self.headers)
+            r = self.conn.getresponse()
+        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+            # The server closed the idle connection (uvicorn's keep-alive timeout is 5 s;
+            # publishing 10^7 entries takes longer): once more on a new one.
+            self.conn.close()
+            self.conn.request(method, path, body, self.headers)
+            r = self.conn.getresponse()
         return r.status, r.read()
 
     def json(self, method: str, path: str, doc=None):
