@@ -47,6 +47,9 @@
 #include <structmember.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 /* xxHash 0.8.4 (BSD-2-Clause, vendor/LICENSE.xxhash): the version the `xxhash`
  * wheel bundles, so keys are bit-identical to xxhash.xxh3_64_intdigest. */
@@ -159,10 +162,43 @@ map_find(U64Map *m, uint64_t k)
     }
 }
 
+/* A table of cap slots, zeroed. A big one (a worker's map at 10^6 entries is 32 MiB) is
+ * mapped with MAP_POPULATE: calloc's fresh pages fault twice each on the rehash below
+ * (a read maps the zero page, the write copies it), one page at a time; populated, the
+ * kernel fills them in one call. slots_free must be given the same cap. */
+#if defined(__linux__)
+#define BIG_TABLE ((size_t)1 << 21)
+#endif
+
+static Slot *
+slots_alloc(Py_ssize_t cap)
+{
+#ifdef BIG_TABLE
+    size_t bytes = (size_t)cap * sizeof(Slot);
+    if (bytes >= BIG_TABLE) {
+        void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+        return p == MAP_FAILED ? NULL : p;
+    }
+#endif
+    return PyMem_Calloc((size_t)cap, sizeof(Slot));
+}
+
+static void
+slots_free(Slot *slots, Py_ssize_t cap)
+{
+#ifdef BIG_TABLE
+    if (slots != NULL && (size_t)cap * sizeof(Slot) >= BIG_TABLE) {
+        munmap(slots, (size_t)cap * sizeof(Slot));
+        return;
+    }
+#endif
+    PyMem_Free(slots);
+}
+
 static int
 map_resize(U64Map *m, Py_ssize_t newcap)
 {
-    Slot *ns = PyMem_Calloc((size_t)newcap, sizeof(Slot));
+    Slot *ns = slots_alloc(newcap);
     if (ns == NULL) {
         PyErr_NoMemory();
         return -1;
@@ -177,7 +213,7 @@ map_resize(U64Map *m, Py_ssize_t newcap)
             i = (i + 1) & mask;
         ns[i] = *s;
     }
-    PyMem_Free(m->slots);
+    slots_free(m->slots, m->cap);
     m->slots = ns;
     m->cap = newcap;
     return 0;
@@ -351,7 +387,7 @@ map_clear_all(U64Map *m)
     m->other = NULL;
     for (Py_ssize_t j = 0; j < cap; j++)
         Py_XDECREF(slots[j].val);
-    PyMem_Free(slots);
+    slots_free(slots, cap);
     Py_XDECREF(other);
 }
 

@@ -147,6 +147,29 @@ def test_map_shrinks_after_evictions() -> None:
     assert all(m.get(k * 7919, 1) is None for k in range(99_000, 100_000))
 
 
+def test_big_tables_keep_every_entry_through_growth_shrink_and_clear() -> None:
+    # Tables of 2 MiB and more are mapped apart from the heap (slots_alloc): every
+    # resize across that size, up and down, and a clear must keep or free exactly.
+    vals = [object() for _ in range(300_000)]
+    ref0 = sys.getrefcount(vals[0])
+    m = core.U64Map()
+    for k, v in enumerate(vals):
+        m[k * 2654435761 % 2**64] = v
+    assert m.__sizeof__() > 2**21
+    held = sys.getrefcount(vals[0])  # (outside the assert: pytest's rewriting holds its operands)
+    assert held == ref0 + 1
+    assert all(m[k * 2654435761 % 2**64] is v for k, v in enumerate(vals))
+    for k in range(0, 300_000, 2):
+        del m[k * 2654435761 % 2**64]
+    for k in range(1, 300_000, 2):
+        m[(k * 2654435761 + 1) % 2**64] = vals[k]  # grow again while half is gone
+    assert len(m) == 300_000
+    assert all(m[(k * 2654435761 + 1) % 2**64] is vals[k] for k in range(1, 300_000, 2))
+    m.clear()
+    held = sys.getrefcount(vals[1])
+    assert len(m) == 0 and held == ref0
+
+
 def test_node_fields_and_key_range() -> None:
     n = core.Node(2**64 - 1, None)
     assert (n.key, n.parent, n.kids, n.gpu, n.tiers, n.dup) == (2**64 - 1, None, None, 0, None, None)
