@@ -2268,14 +2268,17 @@ typedef struct {
 
 static PyTypeObject NodeIndexType;
 
-/* Nodes are 64-byte objects and a tree's chains are mostly allocated in a row:
- * four neighbours in memory (one 256-byte span) hash to one 64-byte line of four
- * slots, so a preorder fill misses the cache about once per line, not per node.
- * The lines themselves are spread by mix64. */
+/* Nodes are 48-byte objects and a tree's chains are mostly allocated in a row:
+ * a / 48 numbers the nodes of one allocator pool consecutively (they sit at
+ * pool start + 48 * i), so four neighbours in memory hash to one 64-byte line of
+ * four slots and a preorder fill misses the cache about once per line, not per
+ * node. The lines themselves are spread by mix64. (a >> 6 alone, right for the
+ * old 64-byte nodes, gives two of every five 48-byte neighbours the same slot.) */
 static inline size_t
 ptr_slot(uint64_t a, size_t mask)
 {
-    return (size_t)((mix64(a >> 8) << 2) | ((a >> 6) & 3)) & mask;
+    uint64_t q = a / sizeof(Node);
+    return (size_t)((mix64(q >> 2) << 2) | (q & 3)) & mask;
 }
 
 /* The slot of `addr`, or -1. */
