@@ -3,14 +3,16 @@
  * Why it exists: in pure Python every block costs a 64-byte node plus a 40-byte
  * int object for its key, and every (worker, block) residency a dict slot plus a
  * 40-byte int object for the engine's hash: ~180 bytes per resident entry. Here
- * a node carries its key as a uint64 inside the object (64 bytes in all) and the
- * engine-hash and child maps are open-addressing tables of (uint64, object)
- * slots (16 bytes each, no key objects).
+ * a node carries its key as a uint64 inside the object and its rarely set tiers
+ * and dup outside it (48 bytes in all, see Side) and the engine-hash and child
+ * maps are open-addressing tables of (uint64, object) slots (16 bytes each, no
+ * key objects).
  *
  * What it holds:
  *   Node        one block: key (uint64), parent, kids, gpu, tiers, dup. The
  *               drop-in twin of the msgspec ``Node`` in tree.py (same
- *               constructor, same attributes).
+ *               constructor, same attributes); tiers and dup live in a Side
+ *               made only while one of them is set.
  *   U64Map      a dict-like map whose int keys in [0, 2**64) live in the table;
  *               any other key (a bytes hash, a negative int) goes to a plain
  *               dict inside, so every key a vLLM engine can send works.
@@ -675,20 +677,108 @@ static PyTypeObject U64MapType = {
 
 /* -------------------------------------------------------------------- Node */
 
+/* A node is 48 bytes: CPython's allocator hands out 16-byte size classes, so the
+ * fields that matter on every block (header, key, parent, kids, GPU mask) fill
+ * one class exactly, and a sixth pointer would cost 16 bytes, not 8, on every
+ * node. `tiers` and `dup` are None on almost every node (only CPU-tier blocks
+ * and repeated announcements set them), so they move to a Side, made when one
+ * of them is set and freed when both are None again. `gs` is the GPU mask
+ * itself while there is no Side, else the Side's address with its low bit set
+ * (objects and PyMem blocks are at least 8-byte aligned, so a real object
+ * pointer never has it): the hot loops read the mask with one test of that bit
+ * and no extra load. A node with a Side costs 48 + 32 bytes (24 rounded to the
+ * 32-byte class), 16 more than the old 64-byte node. */
+typedef struct {
+    PyObject *gpu;   /* int: bit mask of the workers holding the block on GPU */
+    PyObject *tiers; /* None or {tid: mask} for the other tiers (tree.py) */
+    PyObject *dup;   /* None or {(wid << 5) | tid: extra announcements} */
+} Side;
+
 typedef struct {
     PyObject_HEAD
     uint64_t key; /* the block key; 0 for the root and DEAD (their key is never read) */
     PyObject *parent;
     PyObject *kids; /* None, one Node, or a U64Map key -> Node */
-    PyObject *gpu;  /* int: bit mask of the workers holding the block on GPU */
-    PyObject *tiers;
-    PyObject *dup;
+    PyObject *gs;   /* the GPU mask, or (Side *) | 1: read it through node_gpu */
 } Node;
+
+#define HAS_SIDE(n) (((uintptr_t)(n)->gs) & 1)
+#define SIDE(n) ((Side *)((uintptr_t)(n)->gs & ~(uintptr_t)1))
 
 static PyObject *DEAD; /* module attribute; one reference held by the module */
 static PyObject *ZERO;
 
 #define NODE_SET(field, v) do { PyObject *_o = (field); Py_INCREF(v); (field) = (v); Py_DECREF(_o); } while (0)
+
+/* The GPU mask (borrowed). */
+static inline PyObject *
+node_gpu(Node *n)
+{
+    return __builtin_expect(HAS_SIDE(n), 0) ? SIDE(n)->gpu : n->gs;
+}
+
+/* tiers and dup (borrowed): None without a Side. */
+static inline PyObject *
+node_tiers(Node *n)
+{
+    return HAS_SIDE(n) ? SIDE(n)->tiers : Py_None;
+}
+
+static inline PyObject *
+node_dup(Node *n)
+{
+    return HAS_SIDE(n) ? SIDE(n)->dup : Py_None;
+}
+
+/* Set the GPU mask to v (borrowed). */
+static inline void
+node_set_gpu(Node *n, PyObject *v)
+{
+    PyObject **slot = __builtin_expect(HAS_SIDE(n), 0) ? &SIDE(n)->gpu : &n->gs;
+    PyObject *old = *slot;
+    Py_INCREF(v);
+    *slot = v;
+    Py_DECREF(old); /* last: the node is whole if this runs a finalizer */
+}
+
+/* Set tiers (dup: dup) to v (borrowed): makes the Side when v is not None, frees
+ * it when tiers and dup are both None afterwards. -1 with MemoryError when no
+ * Side could be made (the node is unchanged). */
+static int
+node_set_side(Node *n, int dup, PyObject *v)
+{
+    if (!HAS_SIDE(n)) {
+        if (v == Py_None)
+            return 0;
+        Side *s = PyMem_Malloc(sizeof(Side));
+        if (s == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        s->gpu = n->gs; /* the node's reference moves to the Side */
+        Py_INCREF(Py_None);
+        s->tiers = Py_None;
+        Py_INCREF(Py_None);
+        s->dup = Py_None;
+        n->gs = (PyObject *)((uintptr_t)s | 1);
+    }
+    Side *s = SIDE(n);
+    PyObject **slot = dup ? &s->dup : &s->tiers;
+    PyObject *old = *slot;
+    Py_INCREF(v);
+    *slot = v;
+    if (s->tiers == Py_None && s->dup == Py_None) { /* fold back: gs is the mask again */
+        n->gs = s->gpu;
+        Py_DECREF(Py_None);
+        Py_DECREF(Py_None);
+        PyMem_Free(s);
+    }
+    Py_DECREF(old); /* last: the node is whole if this runs a finalizer */
+    return 0;
+}
+
+#define node_set_tiers(n, v) node_set_side((n), 0, (v))
+#define node_set_dup(n, v) node_set_side((n), 1, (v))
 
 static Node *
 node_make(uint64_t key, PyObject *parent, PyObject *gpu)
@@ -702,11 +792,7 @@ node_make(uint64_t key, PyObject *parent, PyObject *gpu)
     Py_INCREF(Py_None);
     n->kids = Py_None;
     Py_INCREF(gpu);
-    n->gpu = gpu;
-    Py_INCREF(Py_None);
-    n->tiers = Py_None;
-    Py_INCREF(Py_None);
-    n->dup = Py_None;
+    n->gs = gpu;
     return n;
 }
 
@@ -733,10 +819,10 @@ Node_vectorcall(PyObject *type, PyObject *const *args, size_t nargsf, PyObject *
         return NULL;
     if (nargs > 2)
         NODE_SET(n->kids, args[2]);
-    if (nargs > 4)
-        NODE_SET(n->tiers, args[4]);
-    if (nargs > 5)
-        NODE_SET(n->dup, args[5]);
+    if ((nargs > 4 && node_set_tiers(n, args[4]) < 0) || (nargs > 5 && node_set_dup(n, args[5]) < 0)) {
+        Py_DECREF(n);
+        return NULL;
+    }
     return (PyObject *)n;
 }
 
@@ -755,9 +841,16 @@ Node_dealloc(Node *n)
 {
     Py_XDECREF(n->parent);
     Py_XDECREF(n->kids);
-    Py_XDECREF(n->gpu);
-    Py_XDECREF(n->tiers);
-    Py_XDECREF(n->dup);
+    if (HAS_SIDE(n)) {
+        Side *s = SIDE(n);
+        PyObject *gpu = s->gpu, *tiers = s->tiers, *dup = s->dup;
+        PyMem_Free(s);
+        Py_DECREF(gpu);
+        Py_DECREF(tiers);
+        Py_DECREF(dup);
+    }
+    else
+        Py_XDECREF(n->gs);
     PyObject_Free(n);
 }
 
@@ -770,20 +863,83 @@ Node_get_key(Node *n, void *Py_UNUSED(closure))
 static PyObject *
 Node_repr(Node *n)
 {
-    return PyUnicode_FromFormat("Node(key=%llu, gpu=%R)", (unsigned long long)n->key, n->gpu ? n->gpu : Py_None);
+    return PyUnicode_FromFormat("Node(key=%llu, gpu=%R)", (unsigned long long)n->key, node_gpu(n));
 }
+
+/* gpu, tiers and dup from Python: the objects stored (so node.tiers[t] = m
+ * changes the node's own dict), writable, not deletable (nothing the index
+ * runs deletes them, and the C loops read them without a NULL check). */
+static PyObject *
+Node_get_gpu(Node *n, void *Py_UNUSED(closure))
+{
+    return Py_NewRef(node_gpu(n));
+}
+
+static PyObject *
+Node_get_tiers(Node *n, void *Py_UNUSED(closure))
+{
+    return Py_NewRef(node_tiers(n));
+}
+
+static PyObject *
+Node_get_dup(Node *n, void *Py_UNUSED(closure))
+{
+    return Py_NewRef(node_dup(n));
+}
+
+static int
+Node_no_delete(PyObject *v, const char *name)
+{
+    if (v != NULL)
+        return 0;
+    PyErr_Format(PyExc_AttributeError, "Node.%s cannot be deleted", name);
+    return -1;
+}
+
+static int
+Node_set_gpu(Node *n, PyObject *v, void *Py_UNUSED(closure))
+{
+    if (Node_no_delete(v, "gpu") < 0)
+        return -1;
+    node_set_gpu(n, v);
+    return 0;
+}
+
+static int
+Node_set_tiers(Node *n, PyObject *v, void *Py_UNUSED(closure))
+{
+    return Node_no_delete(v, "tiers") < 0 ? -1 : node_set_tiers(n, v);
+}
+
+static int
+Node_set_dup(Node *n, PyObject *v, void *Py_UNUSED(closure))
+{
+    return Node_no_delete(v, "dup") < 0 ? -1 : node_set_dup(n, v);
+}
+
+/* The node and its Side, if it has one. */
+static PyObject *
+Node_sizeof(Node *n, PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromSsize_t((Py_ssize_t)sizeof(Node) + (HAS_SIDE(n) ? (Py_ssize_t)sizeof(Side) : 0));
+}
+
+static PyMethodDef Node_methods[] = {
+    {"__sizeof__", (PyCFunction)Node_sizeof, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
 
 static PyGetSetDef Node_getset[] = {
     {"key", (getter)Node_get_key, NULL, "The block key (read-only).", NULL},
+    {"gpu", (getter)Node_get_gpu, (setter)Node_set_gpu, "Bit mask of the workers holding the block on GPU.", NULL},
+    {"tiers", (getter)Node_get_tiers, (setter)Node_set_tiers, "None or {tid: mask} for the other tiers.", NULL},
+    {"dup", (getter)Node_get_dup, (setter)Node_set_dup, "None or {(wid << 5) | tid: extra announcements}.", NULL},
     {NULL},
 };
 
 static PyMemberDef Node_members[] = {
     {"parent", T_OBJECT, offsetof(Node, parent), 0, NULL},
     {"kids", T_OBJECT, offsetof(Node, kids), 0, NULL},
-    {"gpu", T_OBJECT, offsetof(Node, gpu), 0, NULL},
-    {"tiers", T_OBJECT, offsetof(Node, tiers), 0, NULL},
-    {"dup", T_OBJECT, offsetof(Node, dup), 0, NULL},
     {NULL},
 };
 
@@ -798,6 +954,7 @@ static PyTypeObject NodeType = {
     .tp_dealloc = (destructor)Node_dealloc,
     .tp_getset = Node_getset,
     .tp_members = Node_members,
+    .tp_methods = Node_methods,
     .tp_repr = (reprfunc)Node_repr,
 };
 
@@ -838,7 +995,7 @@ mapped_node(U64Map *wmap, PyObject *h, int *err)
 static int
 dup_add(Node *n, PyObject *dupkey)
 {
-    PyObject *d = n->dup;
+    PyObject *d = node_dup(n);
     if (d == Py_None) {
         d = PyDict_New();
         if (d == NULL)
@@ -850,9 +1007,9 @@ dup_add(Node *n, PyObject *dupkey)
             Py_DECREF(d);
             return -1;
         }
-        NODE_SET(n->dup, d);
+        r = node_set_dup(n, d);
         Py_DECREF(d);
-        return 0;
+        return r;
     }
     if (!PyDict_Check(d)) {
         PyErr_SetString(PyExc_TypeError, "Node.dup must be None or a dict");
@@ -1004,7 +1161,7 @@ insert_loop(U64Map *wmap, Node *parent, Py_ssize_t n, const uint64_t *hv, const 
                        : map_store(wmap, PyList_GET_ITEM(hashes, i), (PyObject *)node)) < 0)
                 goto fail;
         }
-        PyObject *m = node->gpu;
+        PyObject *m = node_gpu(node);
         PyObject *x = PyNumber_And(m, bit);
         if (x == NULL)
             goto fail;
@@ -1020,8 +1177,8 @@ insert_loop(U64Map *wmap, Node *parent, Py_ssize_t n, const uint64_t *hv, const 
             PyObject *nm = PyNumber_Or(m, bit);
             if (nm == NULL)
                 goto fail;
-            node->gpu = nm;
-            Py_DECREF(m);
+            node_set_gpu(node, nm); /* releases m */
+            Py_DECREF(nm);
             added++;
         }
         Py_INCREF(node);
@@ -1179,7 +1336,7 @@ walk(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
                     break;
                 }
             }
-            PyObject *nm = PyNumber_And(active, node->gpu);
+            PyObject *nm = PyNumber_And(active, node_gpu(node));
             if (nm == NULL) {
                 Py_DECREF(seq);
                 goto fail;
@@ -1934,7 +2091,7 @@ done:
 static int
 holds_other(Node *n, PyObject *bit)
 {
-    PyObject *t = n->tiers, *k, *v;
+    PyObject *t = node_tiers(n), *k, *v;
     Py_ssize_t pos = 0;
     if (t == Py_None)
         return 0;
@@ -1966,8 +2123,8 @@ free_up(Node *n, PyObject *root)
 {
     Py_ssize_t freed = 0;
     Py_INCREF(n);
-    while ((PyObject *)n != root && n->kids == Py_None && n->tiers == Py_None) {
-        int held = PyObject_IsTrue(n->gpu);
+    while ((PyObject *)n != root && n->kids == Py_None && node_tiers(n) == Py_None) {
+        int held = PyObject_IsTrue(node_gpu(n));
         if (held != 0) {
             if (held < 0)
                 goto fail;
@@ -2000,7 +2157,7 @@ free_up(Node *n, PyObject *root)
             }
         }
         NODE_SET(n->parent, DEAD);
-        NODE_SET(n->dup, Py_None);
+        node_set_dup(n, Py_None); /* frees the Side (tiers is None): cannot fail */
         freed++;
         Py_DECREF(n);
         n = parent;
@@ -2052,7 +2209,7 @@ remove_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
             unknown++;
             continue;
         }
-        PyObject *x = PyNumber_And(n->gpu, bit);
+        PyObject *x = PyNumber_And(node_gpu(n), bit);
         int held = x == NULL ? -1 : PyObject_IsTrue(x);
         Py_XDECREF(x);
         if (held <= 0) {
@@ -2062,43 +2219,42 @@ remove_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
             unknown++;
             continue;
         }
-        if (n->dup != Py_None && PyDict_Check(n->dup)) {
-            PyObject *c = PyDict_GetItemWithError(n->dup, dupkey);
-            if (c == NULL && PyErr_Occurred()) {
-                Py_DECREF(n);
-                return NULL;
-            }
+        PyObject *dup = node_dup(n);
+        if (dup != Py_None && PyDict_Check(dup)) {
+            Py_INCREF(dup); /* setting node.dup to None below would free it */
+            PyObject *c = PyDict_GetItemWithError(dup, dupkey);
             long v = c == NULL ? 0 : PyLong_AsLong(c);
             if (v > 0) { /* one of several announcements: the count goes down */
                 int r;
                 if (v == 1) {
-                    r = PyDict_DelItem(n->dup, dupkey);
-                    if (r == 0 && PyDict_GET_SIZE(n->dup) == 0)
-                        NODE_SET(n->dup, Py_None);
+                    r = PyDict_DelItem(dup, dupkey);
+                    if (r == 0 && PyDict_GET_SIZE(dup) == 0)
+                        r = node_set_dup(n, Py_None);
                 }
                 else {
                     PyObject *nv = PyLong_FromLong(v - 1);
-                    r = nv == NULL ? -1 : PyDict_SetItem(n->dup, dupkey, nv);
+                    r = nv == NULL ? -1 : PyDict_SetItem(dup, dupkey, nv);
                     Py_XDECREF(nv);
                 }
+                Py_DECREF(dup);
                 Py_DECREF(n);
                 if (r < 0)
                     return NULL;
                 continue;
             }
-            if (v < 0 && PyErr_Occurred()) {
+            Py_DECREF(dup);
+            if (PyErr_Occurred()) { /* the lookup, or a count that is not an int */
                 Py_DECREF(n);
                 return NULL;
             }
         }
-        PyObject *nm = PyNumber_Xor(n->gpu, bit);
+        PyObject *nm = PyNumber_Xor(node_gpu(n), bit);
         if (nm == NULL) {
             Py_DECREF(n);
             return NULL;
         }
-        PyObject *om = n->gpu;
-        n->gpu = nm;
-        Py_DECREF(om);
+        node_set_gpu(n, nm);
+        Py_DECREF(nm);
         cleared++;
         int other = holds_other(n, bit);
         if (other == 0) {
@@ -2148,14 +2304,17 @@ typedef struct {
 
 static PyTypeObject NodeIndexType;
 
-/* Nodes are 64-byte objects and a tree's chains are mostly allocated in a row:
- * four neighbours in memory (one 256-byte span) hash to one 64-byte line of four
- * slots, so a preorder fill misses the cache about once per line, not per node.
- * The lines themselves are spread by mix64. */
+/* Nodes are 48-byte objects and a tree's chains are mostly allocated in a row:
+ * a / 48 numbers the nodes of one allocator pool consecutively (they sit at
+ * pool start + 48 * i), so four neighbours in memory hash to one 64-byte line of
+ * four slots and a preorder fill misses the cache about once per line, not per
+ * node. The lines themselves are spread by mix64. (a >> 6 alone, right for the
+ * old 64-byte nodes, gives two of every five 48-byte neighbours the same slot.) */
 static inline size_t
 ptr_slot(uint64_t a, size_t mask)
 {
-    return (size_t)((mix64(a >> 8) << 2) | ((a >> 6) & 3)) & mask;
+    uint64_t q = a / sizeof(Node);
+    return (size_t)((mix64(q >> 2) << 2) | (q & 3)) & mask;
 }
 
 /* The slot of `addr`, or -1. */
@@ -2446,7 +2605,7 @@ dump_tree(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
         keys.len += 8;
         put_le64(addrs.buf + addrs.len, (uint64_t)(uintptr_t)node);
         addrs.len += 8;
-        PyObject *m = node->gpu;
+        PyObject *m = node_gpu(node);
         if (m != last_mask) {
             PyObject *v = PyDict_GetItemWithError(mask_ids, m);
             if (v != NULL)
@@ -2475,7 +2634,7 @@ dump_tree(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
         }
         put_le32(mids.buf + mids.len, last_mid);
         mids.len += 4;
-        if (node->tiers != Py_None || node->dup != Py_None) {
+        if (HAS_SIDE(node)) { /* tiers or dup is set */
             PyObject *t = Py_BuildValue("(kO)", (unsigned long)i, (PyObject *)node);
             if (t == NULL || PyList_Append(extra, t) < 0) {
                 Py_XDECREF(t);

@@ -80,7 +80,10 @@ class Node:
 
     The drop-in twin of ``tree._PyNode``: same positional constructor, same
     attributes. ``key`` is stored as a uint64 and is read-only; the others are
-    plain object slots the index writes freely.
+    writable object fields the index writes freely (not deletable). ``tiers`` and
+    ``dup`` read back the very dict stored, so changing it in place changes the
+    node; while both are None the node is 48 bytes, else 48 plus a 32-byte side
+    block (``__sizeof__`` counts it).
     """
 
     # Node(key, parent, kids=None, gpu=0, tiers=None, dup=None); positional only.

@@ -18,9 +18,10 @@ Residency is stored as bit masks over worker ids (``wid``), one bit per worker:
 child: most nodes of a prefix tree have exactly one child.
 
 Two implementations share this layout. The compiled core (``indexer/_core.c``)
-keeps a node's key as a uint64 inside a 64-byte node and its maps (a worker's
-engine hash -> node, a node's key -> child) as tables of 16-byte slots, with no
-Python object per key; its ``insert_gpu``, ``walk`` and ``remove_gpu`` run the hot
+keeps a node's key as a uint64 inside a 48-byte node (``tiers`` and ``dup``, rarely
+set, in a 32-byte side block made while one of them is not ``None``) and its maps
+(a worker's engine hash -> node, a node's key -> child) as tables of 16-byte slots,
+with no Python object per key; its ``insert_gpu``, ``walk`` and ``remove_gpu`` run the hot
 loops. The pure-Python twins below (a msgspec node, dicts, the same store and walk
 loops; removals take ``PrefixIndex``'s general loop) are the fallback when the
 module is not built and the reference the tests hold it to.

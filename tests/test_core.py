@@ -190,6 +190,82 @@ def test_node_fields_and_key_range() -> None:
     assert core.DEAD is tree.DEAD and tree.COMPILED
 
 
+def test_node_is_48_bytes() -> None:
+    """CPython's allocator rounds to 16-byte classes: 48 is what a node must be to take
+    less than 64 (56 would still take 64). tiers and dup live in a side block only
+    while one of them is set, and __sizeof__ counts it then."""
+    assert core.Node.__basicsize__ == 48
+    n = core.Node(7, None, None, 5)
+    assert sys.getsizeof(n) == 48
+    n.tiers = {1: 5}
+    assert sys.getsizeof(n) > 48
+    n.tiers = None
+    assert sys.getsizeof(n) == 48
+    assert sys.getsizeof(core.Node(7, None, None, 5, None, None)) == 48  # None passed: no side block
+
+
+def test_R_APP_2_R_APP_4_tiers_and_dup_through_the_side_block() -> None:
+    """Other tiers' residency (R-APP-2: on the GPU store's node) and announcement counts
+    (R-APP-4) move into a side block when set and out when both are None again; every
+    read gives back the very object stored and no reference is gained or lost."""
+    gpu, gpu2 = int("1" * 30), int("2" * 30)  # heap ints (not cached): their counts are exact
+    tiers, dup = {1: gpu}, {(3 << 5) | 1: 2}
+    counts = [sys.getrefcount(o) for o in (gpu, gpu2, tiers, dup)]
+    n = core.Node(9, None, None, gpu)
+    n.tiers = tiers  # the side block is made; the mask moves into it
+    assert n.gpu is gpu and n.tiers is tiers and n.dup is None
+    n.dup = dup
+    assert n.gpu is gpu and n.tiers is tiers and n.dup is dup
+    n.tiers[-1] = 4  # in place, as the tier loops write chunk ends (R-APP-5)
+    n.dup[7] = 1
+    assert n.tiers == {1: gpu, -1: 4} and n.dup == {97: 2, 7: 1}
+    n.gpu = gpu2  # a mask set while the side block exists
+    assert n.gpu is gpu2 and n.tiers is tiers and n.dup is dup
+    n.tiers = None
+    assert n.gpu is gpu2 and n.tiers is None and n.dup is dup
+    n.dup = None  # both None: back to the mask alone
+    assert n.gpu is gpu2 and n.tiers is None and n.dup is None and sys.getsizeof(n) == 48
+    n.gpu = gpu
+    n.dup = dup  # dup alone makes it too
+    assert n.gpu is gpu and n.tiers is None and n.dup is dup
+    n.tiers = tiers
+    n.dup = None
+    assert n.gpu is gpu and n.tiers is tiers and n.dup is None
+    n.tiers = {}  # an empty dict is not None: kept, and the side block with it
+    assert n.tiers == {} and n.gpu is gpu and sys.getsizeof(n) > 48
+    for attr in ("gpu", "tiers", "dup"):
+        with pytest.raises(AttributeError):
+            delattr(n, attr)
+    m = core.Node(10, n, None, gpu2, tiers, dup)  # made with both: freed with its side block
+    assert (m.gpu, m.tiers, m.dup) == (gpu2, tiers, dup)
+    n.tiers = None
+    del m, n
+    assert [sys.getrefcount(o) for o in (gpu, gpu2, tiers, dup)] == counts
+
+
+def test_side_blocks_are_freed() -> None:
+    """Making and folding the side block many times leaves no memory behind."""
+    import tracemalloc
+
+    n = core.Node(1, None, None, 3)
+    tiers, dup = {1: 1}, {2: 2}
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(20_000):
+            n.tiers = tiers
+            n.dup = dup
+            n.tiers = None
+            n.dup = None
+            n.dup = dup
+            core.Node(2, None, None, 1, tiers, dup)  # freed at once with its side block
+            n.dup = None
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 20_000  # a leaked block a round would be 24 bytes x 20,000 x 2
+
+
 def _chain(chain):
     """Engine hashes chained as vLLM chains them (each names its whole prefix) and
     block keys from a small alphabet, so chains share prefixes, branch and repeat."""
