@@ -36,13 +36,16 @@
 #if PREFAULT
 
 #define MAX_RESERVE 256
+/* The same allocator also maps the interpreter's frame stack chunks (16 KiB in 3.11):
+ * only a size this big or more is taken for pymalloc's arena size (1 MiB in 3.11). */
+#define MIN_ARENA ((size_t)256 << 10)
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
 static void *reserve[MAX_RESERVE];
 static int count;        /* arenas in the reserve */
 static int target;       /* the filler keeps the reserve at this many */
-static size_t arena_size; /* the size pymalloc asks for (1 MiB in 3.11); 0 until its first call */
+static size_t arena_size; /* pymalloc's arena size (1 MiB in 3.11); 0 until its first arena */
 static int installed;
 /* Counters (read under the lock): arenas given from the reserve, mapped on the spot
  * because the reserve was empty, mapped by the filler, and taken back on free. */
@@ -89,7 +92,7 @@ arena_alloc(void *ctx, size_t size)
 {
     void *p = NULL;
     pthread_mutex_lock(&lock);
-    if (arena_size == 0)
+    if (arena_size == 0 && size >= MIN_ARENA)
         arena_size = size;
     if (size == arena_size && count > 0) {
         p = reserve[--count];
