@@ -17,12 +17,19 @@ behind it waits its turn (uvicorn's own pipeline). Everything else (other method
 and routes, ``Expect: 100-continue``, HTTP/1.0, ``Connection: close``, upgrades, an
 access log, a concurrency limit) is uvicorn's, unchanged.
 
+When no token is configured (so no header is read per request), a read that is
+exactly one whole hot request with a plain ``Content-Length`` body is answered before
+the parser sees it (``_raw``: no parser callbacks, no scope dict; ~14 us less server
+CPU per query). Any other read, and every header that changes the framing or the
+connection, goes to the parser as above.
+
 Not seen on the hot routes: ``X-Forwarded-For`` (uvicorn's proxy-headers
 middleware), which only named the client in a refused-token log line there.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Coroutine, Generator
 from typing import Any
 
@@ -33,6 +40,12 @@ from .app import error_body
 __all__ = ["bind"]
 
 _JSON_HEADERS = b"content-type: application/json\r\ncontent-length: "
+# Header lines as RFC 9110 allows them (a token, a colon, visible characters, spaces
+# and tabs); anything else (obs-fold, bare CR or LF, NUL) is left to the parser.
+_HEADERS = re.compile(rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*\r\n)*").fullmatch
+# Headers that change a request's framing or its connection: the parser's to handle
+# (Connection: keep-alive excepted, the default of HTTP/1.1 anyway).
+_REFRAME = frozenset((b"transfer-encoding", b"connection", b"expect", b"upgrade"))
 
 
 class _NoEvent:
@@ -97,6 +110,64 @@ class FastHttpToolsProtocol(HttpToolsProtocol):
         self._route: Any = None  # the hot route of the request being read, or None
         self._body: list[bytes] = []
         self._size = 0
+        self._parsing = False  # the parser holds part of a request (between its begin and complete)
+        app = self.fast_app
+        # Whole hot requests read without the parser (_raw): {raw path: route}, when nothing
+        # per request needs what only the parser's callbacks give (auth reads the headers).
+        self._raw_routes: dict[bytes, Any] | None = (
+            {p.encode("latin-1"): r for p, r in app.fast_routes.items()}
+            if app.fast_routes is not None and app.auth is None and not self.access_log
+            and self.limit_concurrency is None else None)
+
+    def data_received(self, data: bytes) -> None:
+        if (data[:5] == b"POST " and self._raw_routes is not None and not self._parsing
+                and (self.cycle is None or self.cycle.response_complete) and self._raw(data)):
+            return
+        super().data_received(data)
+
+    def _raw(self, data: bytes) -> bool:
+        """Answer ``data`` if it is exactly one whole POST to a hot route with a plain
+        ``Content-Length`` body; False (nothing done) for anything else, which the parser
+        then reads as usual: a partial or pipelined read, other headers that change the
+        framing or the connection (Transfer-Encoding, Connection other than keep-alive,
+        Expect, Upgrade), a body over the limit, a header the grammar does not allow."""
+        line_end = data.find(b"\r\n")
+        head_end = data.find(b"\r\n\r\n", line_end)
+        if line_end < 0 or head_end < 0:
+            return False
+        line = data[5:line_end]
+        if line[-9:] != b" HTTP/1.1":
+            return False
+        route = self._raw_routes.get(line[:-9])  # type: ignore[union-attr]
+        if route is None:
+            return False
+        clen = -1
+        if head_end > line_end:
+            block = data[line_end + 2:head_end + 2]
+            if _HEADERS(block) is None:
+                return False
+            for h in block[:-2].split(b"\r\n"):
+                name, _, value = h.partition(b":")
+                name = name.lower()
+                if name == b"content-length":
+                    value = value.strip(b" \t")
+                    if clen >= 0 or not value.isdigit():
+                        return False
+                    clen = int(value)
+                elif name in _REFRAME and (name != b"connection" or value.strip(b" \t").lower() != b"keep-alive"):
+                    return False
+        body = data[head_end + 4:]
+        if len(body) != clen or clen > self.fast_app.service.settings.max_request_bytes:
+            return False
+        self._unset_keepalive_if_required()
+        cycle = _FastCycle()
+        self.cycle = cycle  # type: ignore[assignment]
+        self._serve(cycle, route, body)
+        return True
+
+    def on_message_begin(self) -> None:
+        self._parsing = True
+        super().on_message_begin()
 
     def on_headers_complete(self) -> None:
         app = self.fast_app
@@ -132,6 +203,7 @@ class FastHttpToolsProtocol(HttpToolsProtocol):
             self._body.append(body)  # past the bound: read and dropped, answered 413 at the end
 
     def on_message_complete(self) -> None:
+        self._parsing = False
         route = self._route
         if route is None:
             super().on_message_complete()
@@ -154,7 +226,11 @@ class FastHttpToolsProtocol(HttpToolsProtocol):
             return
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         self._body = []
-        coro = svc.serve_body(route, body)
+        self._serve(cycle, route, body)
+
+    def _serve(self, cycle: _FastCycle, route: Any, body: bytes) -> None:
+        """Run the route's handler on ``body``; answer now, or from a Task when it waits."""
+        coro = self.fast_app.service.serve_body(route, body)
         try:
             fut = coro.send(None)
         except StopIteration as done:

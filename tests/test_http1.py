@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 
 import pytest
 
@@ -155,3 +156,80 @@ def test_resumed_handler_finishes_in_a_task():
         return await r
 
     asyncio.run(main())
+
+
+# ------------------------------------------------- whole requests read without the parser
+
+
+@pytest.fixture(scope="module")
+def open_server():
+    """No token: a whole hot request in one read is answered without the parser (_raw)."""
+    s = Server(env={"KVI_MAX_REQUEST_BYTES": str(MAX_BYTES)})
+    yield s
+    s.stop()
+
+
+def _exchange(server, pieces: list[bytes], answers: int = 1) -> list[tuple[int, dict, bytes]]:
+    """Send ``pieces`` as separate writes (a pause between them) and read ``answers`` responses."""
+    s, f = _conn(server)
+    try:
+        for i, p in enumerate(pieces):
+            if i:
+                time.sleep(0.05)  # its own read on the server
+            s.sendall(p)
+        return [_read_response(f) for _ in range(answers)]
+    finally:
+        s.close()
+
+
+def _errors(server) -> float:
+    m = server.client.metrics()
+    return sum(v for (name, labels), v in m.items() if name == "kvi_api_errors_total"
+               and dict(labels).get("route") == "/v1/match")
+
+
+@pytest.mark.parametrize("doc", [
+    {"token_ids": list(range(40)), "model": "m"},
+    {"token_ids": "not a list", "model": "m"},
+    {"token_ids": [1, 2.5], "model": "m"},
+    {"token_ids": [1] * 16, "model": "m", "cache_salt": 7},
+])
+def test_R_BAD_1_one_read_and_split_reads_answer_alike(open_server, doc):
+    """The same request whole in one read (read without the parser) and cut in three reads
+    (the parser's callbacks): the same status and body, and errors counted both times."""
+    req = _post("/v1/match", doc, token=None)
+    before = _errors(open_server)
+    (s1, h1, b1), = _exchange(open_server, [req])
+    cut = req.index(b"\r\n") + 5
+    (s2, h2, b2), = _exchange(open_server, [req[:cut], req[cut:-3], req[-3:]])
+    assert (s1, b1) == (s2, b2)
+    assert h1["content-type"] == h2["content-type"] == "application/json"
+    errors = _errors(open_server) - before
+    assert errors == (0 if s1 == 200 else 2), (s1, b1)
+
+
+def test_R_BAD_1_framing_and_connection_headers_go_to_the_parser(open_server):
+    body = json.dumps({"token_ids": [3] * 16, "model": "m"}).encode()
+    head = "POST /v1/match HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    ok = _exchange(open_server, [_post("/v1/match", {"token_ids": [3] * 16, "model": "m"}, token=None)])[0]
+    assert ok[0] == 404 and b"unknown model" in ok[2]  # nothing indexed: the handler's own answer
+    # Chunked: the parser reads the body (the raw path would have seen no Content-Length).
+    chunked = (head + "Transfer-Encoding: chunked\r\n\r\n").encode() + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
+    assert _exchange(open_server, [chunked])[0][::2] == ok[::2]
+    # A space before the colon, or two lengths: the parser refuses the request (400).
+    for bad in (f"Content-Length : {len(body)}\r\n", f"Content-Length: {len(body)}\r\nContent-Length: {len(body)}\r\n"):
+        assert _exchange(open_server, [(head + bad + "\r\n").encode() + body])[0][0] == 400
+    # Connection: close is honoured: the answer, then the server closes.
+    s, f = _conn(open_server)
+    try:
+        s.sendall((head + f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body)
+        assert _read_response(f)[::2] == ok[::2]
+        s.settimeout(2)  # well inside the 5 s keep-alive timeout, which would close it too
+        assert f.read(1) == b""
+    finally:
+        s.close()
+    # Two whole requests in one read: both answered, in order.
+    two = _post("/v1/match", {"token_ids": [3] * 16, "model": "m"}, token=None) + \
+        _post("/v1/match", {"token_ids": "x", "model": "m"}, token=None)
+    first, second = _exchange(open_server, [two], answers=2)
+    assert first[::2] == ok[::2] and second[0] == 422
