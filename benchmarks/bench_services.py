@@ -3,8 +3,9 @@
 Both servers are started as users start them: ``kv-indexer serve`` (``python -m api.cli
 serve``: one uvicorn worker, defaults) and ``python -m dynamo.indexer`` from
 ``.venv-dynamo`` (ai-dynamo-runtime, its defaults: 4 indexer threads), neither pinned
-to a CPU. They take turns (one server alive at a time; odd runs in reverse order), each
-in a fresh process, on the same frames and the same queries.
+to a CPU. Each run starts both in fresh processes, one after the other (odd runs in
+reverse order): each ingests alone (the other idle), then both answer the latency queries
+in alternating slices. Same frames, same queries.
 
 **Workload** (``--entries`` N, ``--workers`` W, 64 blocks of 16 tokens a sequence): each
 of W engines caches N / (64 W) sequences of 1,024 tokens; every 10th sequence is
@@ -27,8 +28,10 @@ on 127.0.0.1 (one per engine, vLLM's three frames), round robin over the engines
   children, from ``/proc``) from just before the first frame to 1 s after the last
   sequence matched, per resident (engine, block) entry.
 * *query*: ``--calls`` keep-alive ``POST /query`` of 1,024 tokens that every engine
-  holds whole (the most work per answer) over one ``http.client`` connection, after
-  ``--warmup``: median and p99 of the round trip. Both servers get the same body on
+  holds whole (the most work per answer) over one ``http.client`` connection per server,
+  after ``--warmup``, in 10 slices alternating between the two servers (round-trip times
+  on this VM drift by 10-15% over minutes; sequential runs put that drift into the
+  ratio): median and p99 of the round trip. Both servers get the same body on
   the same route (ours implements Dynamo's ``/query``; ``--our-route /v1/match``
   measures our native route instead).
 * *answers*: ``--agree`` queries (full hits on shared and own sequences, a shared
@@ -61,7 +64,7 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -269,6 +272,31 @@ def ingest(client: Client, pubs: list[VllmPublisher], wl: Workload, path: str, t
 # ----------------------------------------------------------------------- modes
 
 
+def interleaved_latency(clients: dict[str, tuple[Client, str]], body: bytes, calls: int, warmup: int,
+                        rounds: int = 10) -> dict[str, tuple[float, float]]:
+    """Median and p99 (us) per server of ``calls`` round trips, taken in ``rounds`` slices that
+    alternate between the servers (the first server of each round alternates too): latency on
+    this VM drifts by 10-15% over minutes, and alternating puts both under the same drift."""
+    for c, path in clients.values():
+        for _ in range(warmup):
+            c.call("POST", path, body)
+    ns: dict[str, list[int]] = {k: [] for k in clients}
+    order = list(clients)
+    pc = time.perf_counter_ns
+    per = max(1, calls // rounds)
+    for r in range(rounds):
+        for kind in (order if r % 2 == 0 else order[::-1]):
+            c, path = clients[kind]
+            out = ns[kind]
+            for _ in range(per):
+                t0 = pc()
+                status, _ = c.call("POST", path, body)
+                out.append(pc() - t0)
+                if status != 200:
+                    raise RuntimeError(f"{kind} {path} answered {status}")
+    return {k: (statistics.median(v) / 1e3, percentile(sorted(v), 99) / 1e3) for k, v in ns.items()}
+
+
 def run_ingest(args, wl: Workload, kinds: list[str]) -> dict:
     body = query_body(wl.shared[0].tolist())  # sequence 0 is shared: held whole by every engine
     agree = [query_body(t) for t in wl.agreement_queries(args.agree)]
@@ -276,8 +304,12 @@ def run_ingest(args, wl: Workload, kinds: list[str]) -> dict:
     runs: dict[str, list[dict]] = {k: [] for k in kinds}
     answers: dict[str, list] = {}
     for r in range(args.runs):
-        for kind in (kinds if r % 2 == 0 else kinds[::-1]):
-            with serving(kind, wl.workers, args.our_route) as (srv, c, pubs, path):
+        with ExitStack() as up:
+            live: dict[str, tuple[Client, str]] = {}
+            figs: dict[str, dict] = {}
+            for kind in (kinds if r % 2 == 0 else kinds[::-1]):
+                # Each server ingests alone (the other one, if up, is idle: no frames, no queries).
+                srv, c, pubs, path = up.enter_context(serving(kind, wl.workers, args.our_route))
                 gc.collect()
                 rss0, cpu0 = tree_rss(srv.pid), tree_cpu(srv.pid)
                 secs = ingest(c, pubs, wl, path)
@@ -287,18 +319,20 @@ def run_ingest(args, wl: Workload, kinds: list[str]) -> dict:
                 got = [matched(c, path, b) for b in agree]
                 base = answers.setdefault("first", got)
                 same = sum(a == b for a, b in zip(got, base))
-                med, p99 = latency_us(c, path, body, args.calls, args.warmup)
-                fig = {"ingest_s": secs, "blocks_per_s": wl.entries / secs, "rss_growth": grown,
-                       "cpu_us_per_block": cpu / wl.entries * 1e6,
-                       "bytes_per_entry": grown / wl.entries, "query_median_us": med, "query_p99_us": p99,
-                       "answers_equal": same, "answers": len(agree)}
+                figs[kind] = {"ingest_s": secs, "blocks_per_s": wl.entries / secs, "rss_growth": grown,
+                              "cpu_us_per_block": cpu / wl.entries * 1e6,
+                              "bytes_per_entry": grown / wl.entries, "answers_equal": same, "answers": len(agree)}
                 if kind == "ours":  # routing (cache, in-flight load, predictions): no Dynamo twin
-                    fig["route_median_us"], fig["route_p99_us"] = latency_us(c, "/v1/route", route_body,
-                                                                             args.calls, args.warmup)
+                    figs[kind]["route_median_us"], figs[kind]["route_p99_us"] = latency_us(
+                        c, "/v1/route", route_body, args.calls, args.warmup)
+                live[kind] = (c, path)
+            for kind, (med, p99) in interleaved_latency(live, body, args.calls, args.warmup).items():
+                fig = figs[kind]
+                fig["query_median_us"], fig["query_p99_us"] = med, p99
                 runs[kind].append(fig)
-                print(f"[run {r + 1} {kind:6}] ingest {secs:6.2f} s ({fig['blocks_per_s']:,.0f} blocks/s), "
+                print(f"[run {r + 1} {kind:6}] ingest {fig['ingest_s']:6.2f} s ({fig['blocks_per_s']:,.0f} blocks/s), "
                       f"{fig['bytes_per_entry']:.1f} B/entry, query median {med:.1f} us p99 {p99:.1f} us, "
-                      f"answers equal {same}/{len(agree)}", flush=True)
+                      f"answers equal {fig['answers_equal']}/{fig['answers']}", flush=True)
     return runs
 
 
