@@ -422,9 +422,10 @@ def demo_requests(speedup: float = 10.0):
 
 
 SWITCH_INTERVAL_S = 0.0005
-# pymalloc arenas (1 MiB each) kept faulted in ahead of use (indexer/_prefault.c): 16 MiB
-# of RSS, a few ms of growth at 10^6 blocks/s (each arena holds ~16k nodes).
-PREFAULT_ARENAS = 16
+# pymalloc arenas (1 MiB each) kept faulted in ahead of use (indexer/_prefault.c): 4 MiB
+# of RSS (up to 8 when pymalloc frees arenas), ~80 ms of growth at 10^6 blocks/s (an arena
+# holds ~21k nodes): the thread refills in ~0.5 ms each.
+PREFAULT_ARENAS = 4
 
 
 def _run(uvicorn, app, settings: Settings) -> None:
