@@ -59,9 +59,11 @@ import argparse
 import gc
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import ExitStack, contextmanager
@@ -138,10 +140,13 @@ class Workload:
 # ----------------------------------------------------------------------- servers
 
 
-def start(kind: str, port: int) -> subprocess.Popen:
-    """A server as its users start it: defaults, no CPU pinning."""
+def start(kind: str, port: int, state_dir: str | None = None) -> subprocess.Popen:
+    """A server as its users start it: defaults, no CPU pinning (ours with ``state_dir``:
+    snapshots there, loaded at start)."""
     if kind == "ours":
         env = dict(os.environ, KVI_LOG_LEVEL="warning")
+        if state_dir is not None:
+            env["KVI_STATE_DIR"] = state_dir
         p = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", "--port", str(port)], cwd=ROOT, env=env)
         wait_http(port, "/healthz")
     else:
@@ -198,11 +203,11 @@ def tree_rss(pid: int) -> int:
 
 
 @contextmanager
-def serving(kind: str, workers: int, our_route: str):
+def serving(kind: str, workers: int, our_route: str, state_dir: str | None = None):
     """A fresh server of ``kind`` with ``workers`` publishers registered and subscribed:
     yields (server process, client, publishers, query path); stops them all after."""
     port = free_port()
-    srv = start(kind, port)
+    srv = start(kind, port, state_dir)
     pubs = [VllmPublisher("tcp://127.0.0.1:*", hwm=0) for _ in range(workers)]
     try:
         c = Client(port)
@@ -307,9 +312,12 @@ def run_ingest(args, wl: Workload, kinds: list[str]) -> dict:
         with ExitStack() as up:
             live: dict[str, tuple[Client, str]] = {}
             figs: dict[str, dict] = {}
+            procs: dict[str, tuple[subprocess.Popen, int, list]] = {}
+            state_dir = up.enter_context(tempfile.TemporaryDirectory()) if args.restart else None
             for kind in (kinds if r % 2 == 0 else kinds[::-1]):
                 # Each server ingests alone (the other one, if up, is idle: no frames, no queries).
-                srv, c, pubs, path = up.enter_context(serving(kind, wl.workers, args.our_route))
+                srv, c, pubs, path = up.enter_context(serving(kind, wl.workers, args.our_route,
+                                                              state_dir if kind == "ours" else None))
                 gc.collect()
                 rss0, cpu0 = tree_rss(srv.pid), tree_cpu(srv.pid)
                 secs = ingest(c, pubs, wl, path)
@@ -326,7 +334,12 @@ def run_ingest(args, wl: Workload, kinds: list[str]) -> dict:
                     figs[kind]["route_median_us"], figs[kind]["route_p99_us"] = latency_us(
                         c, "/v1/route", route_body, args.calls, args.warmup)
                 live[kind] = (c, path)
-            for kind, (med, p99) in interleaved_latency(live, body, args.calls, args.warmup).items():
+                procs[kind] = (srv, rss0, got)
+            lat = interleaved_latency(live, body, args.calls, args.warmup)
+            if state_dir is not None:
+                srv, rss0, got = procs["ours"]
+                figs["ours"].update(restart(srv, state_dir, agree, got, rss0, wl.entries, live["ours"][1]))
+            for kind, (med, p99) in lat.items():
                 fig = figs[kind]
                 fig["query_median_us"], fig["query_p99_us"] = med, p99
                 runs[kind].append(fig)
@@ -334,6 +347,39 @@ def run_ingest(args, wl: Workload, kinds: list[str]) -> dict:
                       f"{fig['bytes_per_entry']:.1f} B/entry, query median {med:.1f} us p99 {p99:.1f} us, "
                       f"answers equal {fig['answers_equal']}/{fig['answers']}", flush=True)
     return runs
+
+
+def restart(srv: subprocess.Popen, state_dir: str, agree: list[bytes], before: list, rss0: int, entries: int,
+            path: str) -> dict:
+    """Stop our server (SIGTERM: it writes its snapshot), start a new one on the same state
+    directory and time it: the stop, the start until /healthz answers, until the ``agree``
+    queries give the answers they gave before. Also the snapshot's size and the new
+    process's RSS over the first one's before ingest, per entry."""
+    t = time.perf_counter()
+    srv.send_signal(signal.SIGTERM)
+    srv.wait(600)
+    stop_s = time.perf_counter() - t
+    size = sum(f.stat().st_size for f in Path(state_dir).rglob("*") if f.is_file())
+    port = free_port()
+    t = time.perf_counter()
+    new = start("ours", port, state_dir)  # returns once /healthz answers
+    up_s = time.perf_counter() - t
+    try:
+        c = Client(port)
+        while [matched(c, path, b) for b in agree] != before:
+            if time.perf_counter() - t > 600:
+                raise RuntimeError("the restarted server did not give the same answers within 600 s")
+            time.sleep(0.05)
+        answers_s = time.perf_counter() - t
+        time.sleep(1.0)
+        rss = tree_rss(new.pid)
+    finally:
+        new.terminate()
+        new.wait(60)
+    print(f"[restart] stop {stop_s:.2f} s (snapshot {size / entries:.1f} B/entry), up {up_s:.2f} s, "
+          f"same answers {answers_s:.2f} s, {(rss - rss0) / entries:.1f} B/entry", flush=True)
+    return {"restart_stop_s": stop_s, "restart_up_s": up_s, "restart_answers_s": answers_s,
+            "snapshot_bytes_per_entry": size / entries, "restored_bytes_per_entry": (rss - rss0) / entries}
 
 
 def summarize(runs: dict[str, list[dict]], keys: list[tuple[str, str]]) -> list[list]:
@@ -424,6 +470,8 @@ def main() -> None:
     ap.add_argument("--rates", type=int, nargs="+", default=[50_000, 150_000, 300_000, 600_000])
     ap.add_argument("--seconds", type=float, default=5.0, help="--mode load: seconds per rate")
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--restart", action="store_true",
+                    help="ours with a state directory: after each run, a restart from its snapshot, timed")
     ap.add_argument("--json", help="write every run's figures to this file")
     args = ap.parse_args()
     kinds = ["ours"] + ([] if args.no_peer or not peer_available() else ["dynamo"])
@@ -469,6 +517,12 @@ def main() -> None:
         if args.calls:
             keys += [("route_median_us", "our /v1/route median us"),
                      ("route_p99_us", "our /v1/route p99 us")]
+        if args.restart:
+            keys += [("restart_stop_s", "our stop (writes the snapshot) s"),
+                     ("snapshot_bytes_per_entry", "our snapshot B/entry"),
+                     ("restart_up_s", "our restart until /healthz s"),
+                     ("restart_answers_s", "our restart until the same answers s"),
+                     ("restored_bytes_per_entry", "our RSS after restart B/entry")]
         print(table(["figure"] + [f"{k} median [min-max]" for k in kinds] + (["ours/Dynamo"] if len(kinds) == 2
                                                                                else []),
                     summarize(runs, keys), f"{wl.entries:,} entries, {args.workers} engines, medians of "
