@@ -57,10 +57,10 @@ Handler = Callable[[Any], Awaitable[tuple[int, Any]]]
 class _Route:
     """One JSON POST route: its request type, decoder and handler."""
 
-    __slots__ = ("path", "rtype", "decoder", "rest_decoder", "handler", "hot", "error_key")
+    __slots__ = ("path", "rtype", "decoder", "rest_decoder", "handler", "hot", "error_key", "plain")
 
     def __init__(self, path: str, rtype: type[msgspec.Struct] | None, handler: Handler, hot: bool,
-                 error_key: str) -> None:
+                 error_key: str, plain: Callable[[Any, bytes], bytes | None] | None = None) -> None:
         self.path = path
         self.rtype = rtype
         self.decoder: msgspec.json.Decoder[Any] | None = msgspec.json.Decoder(rtype) if rtype is not None else None
@@ -69,6 +69,9 @@ class _Route:
         self.handler = handler
         self.hot = hot
         self.error_key = error_key  # "detail" (ours, FastAPI's) or "error" (Dynamo's)
+        # (route, body) -> the 200 answer of the common request in few frames, or None:
+        # then the handler serves it (api/http1.py tries this first on the hot routes).
+        self.plain = plain
 
 
 class Service:
@@ -531,8 +534,8 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
     def json_route(path: str, rtype: type[msgspec.Struct] | None, handler: Handler, *, hot: bool = False,
                    ok: str | None = None, ok_status: int = 200, errors=(400, 404, 413, 422),
                    summary: str = "", tags=("indexer",), error_key: str = "detail",
-                   also_ok: int | None = None) -> None:
-        route = svc.routes[path] = _Route(path, rtype, handler, hot, error_key)
+                   also_ok: int | None = None, plain: Callable[[Any, bytes], bytes | None] | None = None) -> None:
+        route = svc.routes[path] = _Route(path, rtype, handler, hot, error_key, plain)
         extra = None
         if rtype is not None:
             extra = {"requestBody": {"required": True, "content": {JSON: {"schema": _ref(rtype.__name__)}}}}

@@ -229,7 +229,14 @@ class FastHttpToolsProtocol(HttpToolsProtocol):
         self._serve(cycle, route, body)
 
     def _serve(self, cycle: _FastCycle, route: Any, body: bytes) -> None:
-        """Run the route's handler on ``body``; answer now, or from a Task when it waits."""
+        """Answer ``body``: the route's plain door when it takes the request, else its
+        handler (now, or from a Task when it waits)."""
+        plain = route.plain
+        if plain is not None:
+            out = plain(route, body)
+            if out is not None:
+                self._respond(cycle, 200, out)
+                return
         coro = self.fast_app.service.serve_body(route, body)
         try:
             fut = coro.send(None)

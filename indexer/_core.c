@@ -3274,8 +3274,228 @@ fail:
     return NULL;
 }
 
+/* ------------------------------------------------------- Dynamo's /query body */
+
+static int
+col_put(Col *c, const char *s, size_t n)
+{
+    if (col_room(c, n) < 0)
+        return -1;
+    memcpy(c->buf + c->len, s, n);
+    c->len += n;
+    return 0;
+}
+
+static int
+col_int(Col *c, long long v)
+{
+    char t[24];
+    int n = snprintf(t, sizeof t, "%lld", v);
+    return col_put(c, t, (size_t)n);
+}
+
+/* A str as a JSON string, escaped as msgspec escapes it: " and \, \b \f \n \r \t, other
+ * control characters as \u00XX; everything else (DEL, non-ASCII) as its UTF-8 bytes. */
+static int
+col_str(Col *c, PyObject *s)
+{
+    Py_ssize_t n;
+    const char *u = PyUnicode_AsUTF8AndSize(s, &n);
+    if (u == NULL || col_room(c, (size_t)n * 6 + 2) < 0)
+        return -1;
+    unsigned char *o = c->buf + c->len;
+    *o++ = '"';
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned char ch = (unsigned char)u[i];
+        if (ch >= 0x20 && ch != '"' && ch != '\\') {
+            *o++ = ch;
+            continue;
+        }
+        *o++ = '\\';
+        switch (ch) {
+        case '"': *o++ = '"'; break;
+        case '\\': *o++ = '\\'; break;
+        case '\b': *o++ = 'b'; break;
+        case '\f': *o++ = 'f'; break;
+        case '\n': *o++ = 'n'; break;
+        case '\r': *o++ = 'r'; break;
+        case '\t': *o++ = 't'; break;
+        default:
+            o += sprintf((char *)o, "u%04x", ch);
+        }
+    }
+    *o++ = '"';
+    c->len = (size_t)(o - c->buf);
+    return 0;
+}
+
+/* One worker's figures, and the instance (engine) it belongs to. */
+typedef struct {
+    long long total, gpu, cpu, dp;
+    Py_ssize_t inst, next; /* next worker of the same instance, -1 at the end */
+} DynW;
+
+typedef struct {
+    PyObject *eid; /* borrowed from the workers */
+    long long longest, gpu, cpu, disk;
+    Py_ssize_t head, tail; /* its workers, in order */
+    int scored;            /* has a worker with GPU tokens */
+} DynI;
+
+PyDoc_STRVAR(dynamo_answer_doc,
+"dynamo_answer(workers, block_size) -> bytes\n\n"
+"Dynamo's /query body (JSON) from a match's ranked WorkerMatch tuples: per engine its\n"
+"GPU tokens by dp rank ('scores', engines with any), and per engine longest_matched,\n"
+"gpu, dp, cpu and disk (the most over its ranks; cpu is the whole match unless STORAGE\n"
+"holds part, then at most the CPU prefix). The same bytes as api.dynamo.Dynamo.answer\n"
+"encoded by msgspec, its reference.");
+
+static PyObject *
+dynamo_answer(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "dynamo_answer(workers: list, block_size: int)");
+        return NULL;
+    }
+    long long bs = PyLong_AsLongLong(args[1]);
+    if (bs == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *ws = args[0];
+    Py_ssize_t n = PyList_GET_SIZE(ws), ni = 0;
+    DynW *w = PyMem_Malloc(sizeof(DynW) * (size_t)(n ? n : 1));
+    DynI *in = PyMem_Malloc(sizeof(DynI) * (size_t)(n ? n : 1));
+    Py_ssize_t *sorder = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1));
+    PyObject *seen = PyDict_New(), *out = NULL;
+    Col c = {NULL, 0, 0};
+    Py_ssize_t ns = 0;
+    if (w == NULL || in == NULL || sorder == NULL || seen == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *t = PyList_GET_ITEM(ws, k);
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) < 5 || !PyUnicode_Check(PyTuple_GET_ITEM(t, 2))) {
+            PyErr_SetString(PyExc_TypeError, "a worker is a WorkerMatch tuple");
+            goto done;
+        }
+        long long neg = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 1));
+        long long dp = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 3));
+        if ((neg == -1 || dp == -1) && PyErr_Occurred())
+            goto done;
+        long long total = -neg * bs, gpu = 0, cpu_t = 0;
+        int storage = 0;
+        PyObject *items = PyTuple_GET_ITEM(t, 4);
+        if (!PyTuple_Check(items)) {
+            PyErr_SetString(PyExc_TypeError, "a worker's tiers are a tuple of (name, blocks)");
+            goto done;
+        }
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(items); j++) {
+            PyObject *it = PyTuple_GET_ITEM(items, j);
+            if (!PyTuple_Check(it) || PyTuple_GET_SIZE(it) != 2 || !PyUnicode_Check(PyTuple_GET_ITEM(it, 0))) {
+                PyErr_SetString(PyExc_TypeError, "a worker's tiers are a tuple of (name, blocks)");
+                goto done;
+            }
+            PyObject *name = PyTuple_GET_ITEM(it, 0);
+            long long blocks = PyLong_AsLongLong(PyTuple_GET_ITEM(it, 1));
+            if (blocks == -1 && PyErr_Occurred())
+                goto done;
+            if (name == GPU_NAME || PyUnicode_CompareWithASCIIString(name, "GPU") == 0)
+                gpu = blocks * bs;
+            else if (PyUnicode_CompareWithASCIIString(name, "CPU") == 0)
+                cpu_t = blocks * bs;
+            else if (PyUnicode_CompareWithASCIIString(name, "STORAGE") == 0)
+                storage = 1;
+        }
+        long long cpu = total;
+        if (storage) {
+            cpu = cpu_t < total ? cpu_t : total;
+            if (gpu > cpu)
+                cpu = gpu;
+        }
+        PyObject *eid = PyTuple_GET_ITEM(t, 2);
+        PyObject *idx = PyDict_GetItemWithError(seen, eid);
+        Py_ssize_t i;
+        if (idx == NULL) {
+            if (PyErr_Occurred())
+                goto done;
+            i = ni++;
+            PyObject *v = PyLong_FromSsize_t(i);
+            if (v == NULL || PyDict_SetItem(seen, eid, v) < 0) {
+                Py_XDECREF(v);
+                goto done;
+            }
+            Py_DECREF(v);
+            in[i] = (DynI){eid, total, gpu, cpu, total, k, k, 0};
+        }
+        else {
+            i = PyLong_AsSsize_t(idx);
+            DynI *d = &in[i];
+            w[d->tail].next = k;
+            d->tail = k;
+            if (gpu > d->gpu)
+                d->gpu = gpu;
+            if (cpu > d->cpu)
+                d->cpu = cpu;
+            if (total > d->disk)
+                d->disk = d->longest = total;
+        }
+        if (gpu && !in[i].scored) {
+            in[i].scored = 1;
+            sorder[ns++] = i;
+        }
+        w[k] = (DynW){total, gpu, cpu, dp, i, -1};
+    }
+    if (col_put(&c, "{\"scores\":{", 11) < 0)
+        goto done;
+    for (Py_ssize_t s = 0; s < ns; s++) {
+        DynI *d = &in[sorder[s]];
+        if ((s && col_put(&c, ",", 1) < 0) || col_str(&c, d->eid) < 0 || col_put(&c, ":{", 2) < 0)
+            goto done;
+        int first = 1;
+        for (Py_ssize_t k = d->head; k >= 0; k = w[k].next) {
+            if (!w[k].gpu)
+                continue;
+            if ((!first && col_put(&c, ",", 1) < 0) || col_put(&c, "\"", 1) < 0 || col_int(&c, w[k].dp) < 0 ||
+                col_put(&c, "\":", 2) < 0 || col_int(&c, w[k].gpu) < 0)
+                goto done;
+            first = 0;
+        }
+        if (col_put(&c, "}", 1) < 0)
+            goto done;
+    }
+    if (col_put(&c, "},\"frequencies\":[],\"instances\":{", 32) < 0)
+        goto done;
+    for (Py_ssize_t i = 0; i < ni; i++) {
+        DynI *d = &in[i];
+        if ((i && col_put(&c, ",", 1) < 0) || col_str(&c, d->eid) < 0 || col_put(&c, ":{\"longest_matched\":", 20) < 0 ||
+            col_int(&c, d->longest) < 0 || col_put(&c, ",\"gpu\":", 7) < 0 || col_int(&c, d->gpu) < 0 ||
+            col_put(&c, ",\"dp\":{", 7) < 0)
+            goto done;
+        for (Py_ssize_t k = d->head; k >= 0; k = w[k].next) {
+            if ((k != d->head && col_put(&c, ",", 1) < 0) || col_put(&c, "\"", 1) < 0 || col_int(&c, w[k].dp) < 0 ||
+                col_put(&c, "\":", 2) < 0 || col_int(&c, w[k].gpu) < 0)
+                goto done;
+        }
+        if (col_put(&c, "},\"cpu\":", 8) < 0 || col_int(&c, d->cpu) < 0 || col_put(&c, ",\"disk\":", 8) < 0 ||
+            col_int(&c, d->disk) < 0 || col_put(&c, "}", 1) < 0)
+            goto done;
+    }
+    if (col_put(&c, "}}", 2) < 0)
+        goto done;
+    out = PyBytes_FromStringAndSize((const char *)c.buf, (Py_ssize_t)c.len);
+done:
+    PyMem_Free(w);
+    PyMem_Free(in);
+    PyMem_Free(sorder);
+    PyMem_Free(c.buf);
+    Py_XDECREF(seen);
+    return out;
+}
+
+
 static PyMethodDef core_methods[] = {
     {"answers", (PyCFunction)(void (*)(void))answers, METH_FASTCALL, answers_doc},
+    {"dynamo_answer", (PyCFunction)(void (*)(void))dynamo_answer, METH_FASTCALL, dynamo_answer_doc},
     {"block_keys", (PyCFunction)(void (*)(void))block_keys, METH_FASTCALL, block_keys_doc},
     {"tokens_from_msgpack", (PyCFunction)tokens_from_msgpack, METH_O, tokens_from_msgpack_doc},
     {"split_tokens_json", (PyCFunction)split_tokens_json, METH_O, split_tokens_json_doc},

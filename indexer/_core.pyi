@@ -161,6 +161,7 @@ def remove_gpu(
     """
 
 
+def dynamo_answer(workers: list[Any], block_size: int, /) -> bytes: ...
 def answers(
     stops: list[tuple[int, int]],
     rows: list[_Row | None],

@@ -510,3 +510,39 @@ def test_pure_python_build_passes_the_index_tests() -> None:
                        env=env, capture_output=True, text=True, cwd=ROOT / "tests", timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert " passed" in r.stdout
+
+
+_EID = st.text(st.characters(blacklist_categories=("Cs",)), max_size=6)
+_TIER = st.sampled_from(["GPU", "CPU", "STORAGE", "DISK"])
+
+
+@given(
+    st.lists(st.tuples(_EID, st.integers(0, 300)), unique=True, max_size=40),
+    st.data(),
+    st.sampled_from([0, 1, 16, 64]),
+)
+@settings(max_examples=300, deadline=None)
+def test_R_Q_2_dynamo_answer_is_the_documents_bytes(workers, data, bs) -> None:
+    """The compiled /query body equals msgspec's encoding of api.dynamo's document: the
+    per-engine merge over dp ranks, the scores' order, the cpu rule, string escapes."""
+    from types import SimpleNamespace
+
+    from api.common import ENC
+    from api.dynamo import Dynamo
+
+    rows = []
+    for eid, dp in workers:
+        total = data.draw(st.integers(0, 5000))
+        items = tuple((name, data.draw(st.integers(0, total)))
+                      for name in data.draw(st.lists(_TIER, unique=True, max_size=3)))
+        rows.append((-total * 1.5, -total, eid, dp, items, (), total * bs, (False, None), 0.0))
+    res = SimpleNamespace(workers=rows, block_size=bs or None)
+    assert core.dynamo_answer(rows, bs) == ENC.encode(Dynamo.answer_doc(res))
+
+
+def test_dynamo_answer_refuses_what_is_not_a_match() -> None:
+    with pytest.raises(TypeError):
+        core.dynamo_answer([("not", "a", "match")], 16)
+    with pytest.raises(TypeError):
+        core.dynamo_answer([(0, -1, "e", 0, "GPU")], 16)
+    assert core.dynamo_answer([], 16) == b'{"scores":{},"frequencies":[],"instances":{}}'

@@ -233,3 +233,45 @@ def test_R_BAD_1_framing_and_connection_headers_go_to_the_parser(open_server):
         _post("/v1/match", {"token_ids": "x", "model": "m"}, token=None)
     first, second = _exchange(open_server, [two], answers=2)
     assert first[::2] == ok[::2] and second[0] == 422
+
+
+def test_R_Q_2_dynamo_query_plain_door_answers_as_the_handler_or_declines():
+    """/query's plain door (api/dynamo.py query_plain) gives the handler's exact bytes for
+    the common request and declines (None) everything else, which the handler then answers."""
+    from api.app import create_app
+    from evkit import apply, store, toks
+    from indexer import PrefixIndex
+    from indexer.producer.events import Stored
+
+    idx = PrefixIndex()
+    t = toks(5, 40, 16)
+    apply(idx, [store(t, 16, 0, 40)], engine="7")
+    apply(idx, [store(t, 16, 0, 12)], engine="9", dp_rank=1)
+    apply(idx, [Stored(block_hashes=[1, 2], parent_block_hash=None, token_ids=t[:32], block_size=16,
+                       medium="GPU", group_idx=0)], engine="8", model="other")
+    app = create_app(index=idx)
+    svc = app.service  # type: ignore[attr-defined]
+    route = svc.routes["/query"]
+
+    def handler(body: bytes):
+        coro = svc.serve_body(route, body)
+        try:
+            coro.send(None)
+        except StopIteration as done:
+            return done.value
+        raise AssertionError("the /query handler waited")
+
+    def body(**kw) -> bytes:
+        return json.dumps({"model_name": "default", **kw}).encode()
+
+    for n in (1, 16, 100, 16 * 12, 16 * 40, 16 * 40 + 3):
+        b = body(token_ids=t[:n])
+        plain = route.plain(route, b)
+        assert plain is not None and (200, plain) == handler(b), n
+    assert b'"7":{"longest_matched":640' in route.plain(route, body(token_ids=t))
+    declined = [body(token_ids=[]), body(token_ids=t, lora_name="a"), body(token_ids=t, cache_salt="s"),
+                body(token_ids=[1.5]), body(token_ids=t[:1] * (svc.settings.max_request_tokens + 1)), b"{not json",
+                json.dumps({"model_name": "nope", "token_ids": t}).encode(), body(token_ids="x")]
+    for b in declined:
+        assert route.plain(route, b) is None, b[:60]
+        assert handler(b)[0] in (200, 400, 404, 413, 422)

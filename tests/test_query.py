@@ -495,3 +495,24 @@ def test_R_Q_1_an_omitted_model_means_default_when_another_model_joins():
     assert idx.match(t, model="other").best.engine == "b"
     idx.drop_worker("a")  # the default pool is empty: "other" is the one model left
     assert idx.match(t, model=None).model == "other"
+
+
+def test_R_Q_1_match_plain_answers_as_match_or_declines():
+    """The one-frame door: the same answer as match for a GPU-only, one-group model (short
+    and long prompts, partial blocks), None where the model has another shape (CPU tier,
+    predictions), KeyError for an unknown model, as match."""
+    from indexer.keys import tokens_to_bytes
+
+    idx = PrefixIndex(clock=FakeClock())
+    t = toks(3, 200, 16)
+    apply(idx, [store(t, 16, 0, 150)])
+    for n in (0, 15, 16, 16 * 64, 16 * 64 + 7, 16 * 65, 16 * 150, 16 * 200):
+        got = idx.match_plain(tokens_to_bytes(t[:n]), "default")
+        assert got is not None and got == idx.match(t[:n]), n
+    assert idx.match_plain(tokens_to_bytes(t), "default").worker(ENGINE, 0).tiers == {"GPU": 150}
+    with pytest.raises(KeyError):
+        idx.match_plain(tokens_to_bytes(t), "other")
+    idx.route(t[:16 * 160], model="default")  # a recorded route: predictions for this model
+    assert idx.match_plain(tokens_to_bytes(t), "default") is None
+    tiered, t2 = issue_example()
+    assert tiered.match_plain(tokens_to_bytes(t2), "default") is None
