@@ -24,7 +24,6 @@ from fastapi.responses import Response
 
 from indexer._compiled import core as _core
 from indexer.engines import EngineConfig
-from indexer.keys import split_json_tokens
 
 from . import schemas
 from .common import ENC, JSON, HTTPError, u64_keys
@@ -39,6 +38,9 @@ def error_key(path: str) -> str:
     return "error" if path in PATHS else "detail"
 DEFAULT_GROUP = "default"
 _DP = tuple(str(i) for i in range(64))  # dp ranks as JSON keys, made once
+# The compiled core's calls of the plain door (none without it: the door is then shut).
+_split = _core.split_tokens_json if _core is not None else None
+_dynamo_answer = _core.dynamo_answer if _core is not None else None
 
 
 class _Instance(msgspec.Struct, gc=False):
@@ -134,10 +136,14 @@ class Dynamo:
 
     def query_plain(self, route, body: bytes) -> bytes | None:
         """:meth:`query`'s answer to the common request (token ids, no LoRA or salt, a
-        model of the common shape: :meth:`~indexer.query.Query.match_plain`) in a few
-        frames, from the body as read; None for any other request, which the caller
-        then serves through :meth:`query` (errors included: nothing is counted here)."""
-        split = split_json_tokens(body)
+        model of the common shape: :meth:`~indexer.query.Query.match_plain`), from the
+        body as read, in few Python frames (the calls below are compiled or inlined on
+        purpose: see match_plain); None for any other request, which the caller then
+        serves through :meth:`query` (errors included: nothing is counted here). Needs
+        the compiled core."""
+        if _split is None or _dynamo_answer is None:
+            return None
+        split = _split(body)
         if split is None:
             return None
         try:
@@ -145,17 +151,22 @@ class Dynamo:
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None
         buf = split[1]
-        if q.lora_name is not None or q.cache_salt is not None or len(buf) >> 2 > self.svc.settings.max_request_tokens:
+        svc = self.svc
+        if q.lora_name is not None or q.cache_salt is not None or len(buf) >> 2 > svc.settings.max_request_tokens:
             return None
+        group = q.routing_group
         t0 = time.perf_counter()
         try:
-            res = self.svc.index.match_plain(buf, self.model(q.model_name, q.routing_group))
+            res = svc.index.match_plain(buf, q.model_name if group is None or group == DEFAULT_GROUP
+                                        else f"{q.model_name}:{group}")
         except KeyError:
             return None
         if res is None:
             return None
-        out = self.answer(res)
-        self.svc.observe("/query", t0, res)
+        ws = res.workers
+        out = _dynamo_answer(ws, res.block_size or 0)
+        # Service.observe's figures; a WorkerMatch's [1] is -total_blocks (no property frame).
+        svc.metrics.observe("/query", time.perf_counter() - t0, -ws[0][1] if ws else 0)
         return out
 
     async def query_by_hash(self, q: schemas.DynQueryByHash):
@@ -185,8 +196,8 @@ class Dynamo:
         instance the cumulative ``gpu <= cpu <= disk = longest_matched``. Built by the
         compiled core when there is one (no dict or struct per engine);
         :meth:`answer_doc` is its reference."""
-        if _core is not None:
-            return _core.dynamo_answer(list(res.workers), res.block_size or 0)
+        if _dynamo_answer is not None:
+            return _dynamo_answer(list(res.workers), res.block_size or 0)
         return ENC.encode(Dynamo.answer_doc(res))
 
     @staticmethod

@@ -159,11 +159,35 @@ class FastHttpToolsProtocol(HttpToolsProtocol):
         body = data[head_end + 4:]
         if len(body) != clen or clen > self.fast_app.service.settings.max_request_bytes:
             return False
-        self._unset_keepalive_if_required()
+        task = self.timeout_keep_alive_task  # _unset_keepalive_if_required, inlined
+        if task is not None:
+            task.cancel()
+            self.timeout_keep_alive_task = None
         cycle = _FastCycle()
         self.cycle = cycle  # type: ignore[assignment]
         self._serve(cycle, route, body)
         return True
+
+    def on_response_complete(self) -> None:
+        """uvicorn's (count the request; resume reading; start the next pipelined request,
+        or arm the keep-alive timer) with its two helper calls inlined: it runs once per
+        request, where a Python frame costs ~4 us with the caches cold."""
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        task = self.timeout_keep_alive_task
+        if task is not None:
+            task.cancel()
+            self.timeout_keep_alive_task = None
+        flow = self.flow
+        if flow.read_paused:
+            flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+        else:
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
 
     def on_message_begin(self) -> None:
         self._parsing = True
@@ -275,7 +299,8 @@ def bind(app: Any) -> type[HttpToolsProtocol]:
     """The protocol class for uvicorn's ``http=`` serving ``app`` (an ``_App``): its hot
     routes answered as above when ``app.fast_routes`` is set, uvicorn's path otherwise.
     Raises ImportError when this uvicorn's protocol lacks what the fast path drives."""
-    needed = ("on_headers_complete", "on_body", "on_message_complete", "on_response_complete")
+    needed = ("on_headers_complete", "on_body", "on_message_complete", "on_response_complete", "_start_asgi_task",
+              "timeout_keep_alive_handler", "_unset_keepalive_if_required")
     if not all(hasattr(HttpToolsProtocol, n) for n in needed):
         raise ImportError("uvicorn's HttpToolsProtocol changed: serving without the protocol fast path")
     return type("KviHttpToolsProtocol", (FastHttpToolsProtocol,), {"fast_app": app})

@@ -47,9 +47,10 @@ _COUNTERS = {
 
 
 class _Histograms:
-    """Per-route histograms observed on the event-loop thread: one ``bisect`` and two
-    additions a query (prometheus_client's ``Histogram.observe`` takes a lock and
-    walks the buckets: ~1 us each, two per query); exported in the same format."""
+    """Per-route histograms observed on the event-loop thread (:meth:`Metrics.observe`):
+    one ``bisect`` and two additions a query (prometheus_client's ``Histogram.observe``
+    takes a lock and walks the buckets: ~1 us each, two per query); exported in the
+    same format."""
 
     def __init__(self, name: str, doc: str, bounds: tuple) -> None:
         self.name = name
@@ -57,13 +58,6 @@ class _Histograms:
         self.bounds = tuple(float(b) for b in bounds)
         self.les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
         self.routes: dict[str, list] = {}  # route -> [per-bucket counts (last: +Inf), sum]
-
-    def observe(self, route: str, value: float) -> None:
-        r = self.routes.get(route)
-        if r is None:
-            r = self.routes[route] = [[0] * (len(self.bounds) + 1), 0.0]
-        r[0][bisect_left(self.bounds, value)] += 1  # Prometheus buckets are "<= le"
-        r[1] += value
 
     def family(self) -> HistogramMetricFamily:
         fam = HistogramMetricFamily(self.name, self.doc, labels=["route"])
@@ -92,8 +86,13 @@ class Metrics:
                                                auth_failures, state))
 
     def observe(self, route: str, seconds: float, blocks: int) -> None:
-        self.query_seconds.observe(route, seconds)
-        self.matched_blocks.observe(route, blocks)
+        """Count one query of ``route`` in both histograms (one frame: it runs per query)."""
+        for h, value in ((self.query_seconds, seconds), (self.matched_blocks, blocks)):
+            r = h.routes.get(route)
+            if r is None:
+                r = h.routes[route] = [[0] * (len(h.bounds) + 1), 0.0]
+            r[0][bisect_left(h.bounds, value)] += 1  # Prometheus buckets are "<= le"
+            r[1] += value
 
 
 class _IndexCollector:

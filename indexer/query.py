@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .keys import (
     KEY_SEED,
+    _c_block_keys,
     block_keys,
     query_extra_keys,
     seeds_for_blocks,
@@ -210,7 +211,9 @@ class Query(Lifecycle):
         self.readers_waiting.append(None)
         with self._lock:
             self.readers_waiting.pop()
-            m = self._model(model)
+            m = self._models.get(model) if model is not None else None
+            if m is None:
+                m = self._model(model)  # None, or unknown: match's answer (or KeyError)
             trees = m.trees
             if len(trees) != 1 or m.tiered:
                 return None
@@ -222,7 +225,8 @@ class Query(Lifecycle):
             ntok = len(buf) >> 2
             n = ntok // bs
             # Up to 64 blocks in one call; a longer prompt hashed as the walk goes (_LazyKeys).
-            chunks = (block_keys(buf, bs, KEY_SEED, n, 0),) if n <= 64 else _LazyKeys(buf, bs, KEY_SEED, n).chunks()
+            chunks = ((_c_block_keys or block_keys)(buf, bs, KEY_SEED, n, 0),) if n <= 64 else \
+                _LazyKeys(buf, bs, KEY_SEED, n).chunks()
             return self._gpu_only(m, g, tree, chunks, ntok)
 
     def _gpu_only(self, m: _Model, g: int, tree: Tree, key_chunks: Iterable[Sequence[int]], ntok: int) -> MatchResult:
@@ -234,8 +238,13 @@ class Query(Lifecycle):
             stops.append((d, active))
         if not m.ranked:
             m.rank()
-        out = gpu_answers(stops, m.rows, str(g), bs, self._credit_by_tid()[GPU], self.stale_factor,
-                          self._clock(), WorkerMatch) if stops else []
+        if stops:
+            credits = self._credits_cache  # _credit_by_tid's cache, read here without its frame
+            if len(credits) != len(self._tier_names):
+                credits = self._credit_by_tid()
+            out = gpu_answers(stops, m.rows, str(g), bs, credits[GPU], self.stale_factor, self._clock(), WorkerMatch)
+        else:
+            out = []
         best = out[0] if out and out[0][1] < 0 else None
         return tuple.__new__(MatchResult, (m.name, bs, ntok // bs, out, best, ()))
 
