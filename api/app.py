@@ -207,6 +207,33 @@ class Service:
                                cache_salt=q.cache_salt)
         return self.answer("/v1/match", t0, res)
 
+    def match_plain(self, route: _Route, body: bytes) -> bytes | None:
+        """:meth:`match`'s answer to the common request (token ids, no LoRA or salt, a model
+        of the common shape: :meth:`~indexer.query.Query.match_plain`) in few Python frames,
+        from the body as read; None for any other request, which :meth:`match` then
+        answers (errors included: nothing is counted here). Needs the compiled core."""
+        split = split_json_tokens(body)
+        if split is None or route.rest_decoder is None:
+            return None
+        try:
+            q = route.rest_decoder.decode(split[0])  # text fields must be null here (tokens_twin)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        buf = split[1]
+        if q.lora_name is not None or q.cache_salt is not None or len(buf) >> 2 > self.settings.max_request_tokens:
+            return None
+        t0 = time.perf_counter()
+        try:
+            res = self.index.match_plain(buf, q.model)
+        except (KeyError, ModelRequiredError):
+            return None
+        if res is None:
+            return None
+        out = ENC.encode(res.body())
+        ws = res.workers  # a WorkerMatch's [1] is -total_blocks (no property frame)
+        self.metrics.observe("/v1/match", time.perf_counter() - t0, -ws[0][1] if ws else 0)
+        return out
+
     async def match_by_keys(self, q: schemas.MatchByKeysRequest):
         self.check_tokens(q.block_keys)
         t0 = time.perf_counter()
@@ -552,7 +579,7 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
                           name=path)
 
     json_route("/v1/match", schemas.MatchRequest, svc.match, hot=True, ok="MatchResponse",
-               summary="Longest cached prefix per worker for a prompt")
+               summary="Longest cached prefix per worker for a prompt", plain=svc.match_plain)
     json_route("/v1/match_by_keys", schemas.MatchByKeysRequest, svc.match_by_keys, hot=True,
                ok="MatchResponse", summary="The same, with precomputed block keys")
     json_route("/v1/route", schemas.RouteRequest, svc.route_request, hot=True, ok="RouteResponse",

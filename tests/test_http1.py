@@ -275,3 +275,46 @@ def test_R_Q_2_dynamo_query_plain_door_answers_as_the_handler_or_declines():
     for b in declined:
         assert route.plain(route, b) is None, b[:60]
         assert handler(b)[0] in (200, 400, 404, 413, 422)
+
+
+def test_R_Q_2_match_plain_door_answers_as_the_handler_or_declines():
+    """/v1/match's plain door (Service.match_plain): the handler's exact bytes for the
+    common request; None (the handler's turn) for text, LoRA, salt, an unknown model,
+    bad bodies."""
+    from api.app import create_app
+    from evkit import FakeClock, apply, store, toks
+    from indexer import PrefixIndex
+
+    idx = PrefixIndex(clock=FakeClock())  # answers carry ages: a fixed clock compares them
+    t = toks(6, 30, 16)
+    apply(idx, [store(t, 16, 0, 30)], engine="a")
+    apply(idx, [store(t, 16, 0, 9)], engine="b", dp_rank=2)
+    app = create_app(index=idx)
+    svc = app.service  # type: ignore[attr-defined]
+    route = svc.routes["/v1/match"]
+
+    def handler(b: bytes):
+        coro = svc.serve_body(route, b)
+        try:
+            coro.send(None)
+        except StopIteration as done:
+            return done.value
+        raise AssertionError("the /v1/match handler waited")
+
+    for n in (1, 16, 16 * 9, 16 * 30 + 5):
+        for doc in ({"token_ids": t[:n]}, {"token_ids": t[:n], "model": "default"}):
+            b = json.dumps(doc).encode()
+            plain = route.plain(route, b)
+            assert plain is not None and (200, plain) == handler(b), (n, doc)
+    whole = route.plain(route, json.dumps({"token_ids": t}).encode())
+    assert b'"engine":"a","dp_rank":0,"tiers":{"GPU":30}' in whole and b'"engine":"b","dp_rank":2,"tiers":{"GPU":9}' in whole
+    apply(idx, [store(t, 16, 0, 2)], engine="c", model="other")
+    b = json.dumps({"token_ids": t}).encode()  # two models, none named: "default" (R-Q-1)
+    assert (200, route.plain(route, b)) == handler(b)
+    for doc in ({"token_ids": t, "lora_name": "x"}, {"token_ids": t, "cache_salt": "s"},
+                {"token_ids": t, "prompt": "hi"}, {"token_ids": t, "model": "nope"}, {"prompt": "hi"},
+                {"token_ids": []}):
+        b = json.dumps(doc).encode()
+        assert route.plain(route, b) is None, doc
+        assert handler(b)[0] in (200, 404, 422), doc
+    assert route.plain(route, json.dumps({"token_ids": t, "model": "other"}).encode()) is not None
