@@ -421,7 +421,7 @@ def demo_requests(speedup: float = 10.0):
             False)
 
 
-SWITCH_INTERVAL_S = 0.0005
+SWITCH_INTERVAL_S = 0.0002
 # pymalloc arenas (1 MiB each) kept faulted in ahead of use (indexer/_prefault.c): 4 MiB
 # of RSS (up to 8 when pymalloc frees arenas), ~80 ms of growth at 10^6 blocks/s (an arena
 # holds ~21k nodes): the thread refills in ~0.5 ms each.
@@ -441,8 +441,9 @@ def _run(uvicorn, app, settings: Settings) -> None:
     # Queries (the event loop thread) and ingest (its own thread) share the GIL. A thread
     # that wants it waits until the holder blocks or the switch interval (5 ms by
     # default) runs out: under sustained ingest that wait was the query p99 (2.7 ms at
-    # 150k blocks/s, bench_services.py --mode load). 0.5 ms bounds it; the cost, a GIL
-    # handoff per 0.5 ms while both threads run, is within noise for ingest.
+    # 150k blocks/s, bench_services.py --mode load). 0.2 ms bounds it (p99 at 150k
+    # blocks/s: 1.1 ms against 1.5 ms at 0.5 ms, two paired runs); the cost, a GIL handoff
+    # per 0.2 ms while both threads run, is within noise for ingest.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     from indexer._compiled import prefault_arenas
 
