@@ -43,7 +43,8 @@ ours/Dynamo of the medians. ``--json FILE`` also writes every run's figures.
 
 ``--mode load``: query latency under sustained ingest. Each server gets the workload
 first (as above), then ``--rates`` paced ingest rates (blocks/s over all engines, new
-sequences) while one client sends ``/query`` back to back for ``--seconds``: p50/p99.
+sequences) while one client sends ``/query`` back to back for ``--seconds``, in 5 slices
+alternating between the two servers (the other one idle): p50/p99.
 
 Many engines: ``--workers 256`` (the query prompt is held whole by every engine, so each
 answer names all 256).
@@ -420,40 +421,59 @@ def _paced(pubs: list[VllmPublisher], payloads: list[tuple[int, bytes]], rate_bl
     return len(payloads)
 
 
-def run_load(args, wl: Workload, extra: Workload, kinds: list[str]) -> dict:
-    """Query p50/p99 while ``extra``'s sequences stream in at each rate (after ``wl`` is loaded)."""
+def _loaded_slice(c: Client, path: str, body: bytes, pubs: list[VllmPublisher], chunk: list, rate: float,
+                  seconds: float, ns: list[int]) -> None:
+    """Publish ``chunk`` at ``rate`` blocks/s while sending ``body`` back to back for ``seconds``;
+    the round trips (ns) are appended to ``ns``."""
+    stop = threading.Event()
+    t = threading.Thread(target=_paced, args=(pubs, chunk, rate, stop), daemon=True)
+    pc = time.perf_counter_ns
+    for _ in range(20):
+        c.call("POST", path, body)
+    t.start()
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end and t.is_alive():
+        t0 = pc()
+        c.call("POST", path, body)
+        ns.append(pc() - t0)
+    stop.set()
+    t.join()
+
+
+def run_load(args, wl: Workload, extra: Workload, kinds: list[str], slices: int = 5) -> dict:
+    """Query p50/p99 while ``extra``'s sequences stream in at each rate (after ``wl`` is loaded).
+
+    Both servers are up (each loaded ``wl`` alone); each rate's ``--seconds`` are cut in
+    ``slices`` that alternate between the servers, each slice streaming the next sequences
+    into that server only (the other one idle): as for the idle latency, the VM's drift
+    lands on both."""
     body = query_body(wl.shared[0].tolist())
     out: dict[str, dict[int, list[tuple[float, float, float]]]] = {k: {} for k in kinds}
     stream = list(extra.interleaved())
     for r in range(args.runs):
-        for kind in (kinds if r % 2 == 0 else kinds[::-1]):
-            with serving(kind, wl.workers, args.our_route) as (_, c, pubs, path):
+        with ExitStack() as up:
+            live = {}
+            for kind in (kinds if r % 2 == 0 else kinds[::-1]):
+                _, c, pubs, path = up.enter_context(serving(kind, wl.workers, args.our_route))
                 ingest(c, pubs, wl, path)
-                pos = 0
-                for rate in args.rates:
-                    n = int(rate / BLOCKS * args.seconds)
-                    chunk = stream[pos:pos + n]
-                    pos += n
-                    stop = threading.Event()
-                    t = threading.Thread(target=_paced, args=(pubs, chunk, rate, stop), daemon=True)
-                    ns = []
-                    pc = time.perf_counter_ns
-                    for _ in range(50):
-                        c.call("POST", path, body)
-                    t.start()
-                    end = time.perf_counter() + args.seconds
-                    while time.perf_counter() < end and t.is_alive():
-                        t0 = pc()
-                        c.call("POST", path, body)
-                        ns.append(pc() - t0)
-                    stop.set()
-                    t.join()
-                    ns.sort()
-                    got = (percentile(ns, 50) / 1000, percentile(ns, 99) / 1000, len(ns))
+                live[kind] = (c, path, pubs)
+            pos = dict.fromkeys(kinds, 0)
+            for rate in args.rates:
+                n = int(rate / BLOCKS * args.seconds / slices)
+                ns: dict[str, list[int]] = {k: [] for k in kinds}
+                for sl in range(slices):
+                    for kind in (kinds if (r + sl) % 2 == 0 else kinds[::-1]):
+                        c, path, pubs = live[kind]
+                        _loaded_slice(c, path, body, pubs, stream[pos[kind]:pos[kind] + n], rate,
+                                      args.seconds / slices, ns[kind])
+                        pos[kind] += n
+                        time.sleep(0.2)  # the slice's last batches applied before the other server's turn
+                for kind in kinds:
+                    v = sorted(ns[kind])
+                    got = (percentile(v, 50) / 1000, percentile(v, 99) / 1000, len(v))
                     out[kind].setdefault(rate, []).append(got)
                     print(f"[run {r + 1} {kind:6}] ingest {rate:,} blocks/s: query p50 {got[0]:.1f} us "
                           f"p99 {got[1]:.1f} us ({got[2]} queries)", flush=True)
-                    time.sleep(1.0)
     return out
 
 
