@@ -141,10 +141,8 @@ def gpu_tokens(client: Client, path: str, body: bytes, block_size: int) -> dict:
     return {w["engine"]: w["tiers"].get("GPU", 0) * block_size for w in doc["workers"] if w["tiers"].get("GPU")}
 
 
-def latency(client: Client, path: str, body: bytes, calls: int, warmup: int) -> dict:
-    for _ in range(warmup):
-        client.call("POST", path, body)
-    ns = []
+def timed_calls(client: Client, path: str, body: bytes, calls: int, ns: list[int]) -> None:
+    """``calls`` round trips of ``POST path``, each appended to ``ns`` (nanoseconds); a non-200 raises."""
     pc = time.perf_counter_ns
     for _ in range(calls):
         t0 = pc()
@@ -152,6 +150,13 @@ def latency(client: Client, path: str, body: bytes, calls: int, warmup: int) -> 
         ns.append(pc() - t0)
         if status != 200:
             raise RuntimeError(f"{path} answered {status}")
+
+
+def latency(client: Client, path: str, body: bytes, calls: int, warmup: int) -> dict:
+    for _ in range(warmup):
+        client.call("POST", path, body)
+    ns: list[int] = []
+    timed_calls(client, path, body, calls, ns)
     return lat_stats_us(ns)
 
 

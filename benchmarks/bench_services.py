@@ -74,7 +74,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 from _report import DYNAMO_PY, ROOT, machine, peer_available, percentile, table  # noqa: E402
-from bench_http import Client, free_port, latency, wait_http  # noqa: E402
+from bench_http import Client, free_port, latency, timed_calls, wait_http  # noqa: E402
 
 from indexer.producer.events import Stored, encode_batch  # noqa: E402
 from indexer.producer.publisher import VllmPublisher  # noqa: E402
@@ -288,18 +288,11 @@ def interleaved_latency(clients: dict[str, tuple[Client, str]], body: bytes, cal
             c.call("POST", path, body)
     ns: dict[str, list[int]] = {k: [] for k in clients}
     order = list(clients)
-    pc = time.perf_counter_ns
     per = max(1, calls // rounds)
     for r in range(rounds):
         for kind in (order if r % 2 == 0 else order[::-1]):
             c, path = clients[kind]
-            out = ns[kind]
-            for _ in range(per):
-                t0 = pc()
-                status, _ = c.call("POST", path, body)
-                out.append(pc() - t0)
-                if status != 200:
-                    raise RuntimeError(f"{kind} {path} answered {status}")
+            timed_calls(c, path, body, per, ns[kind])
     return {k: (statistics.median(v) / 1e3, percentile(sorted(v), 99) / 1e3) for k, v in ns.items()}
 
 

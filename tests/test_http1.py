@@ -235,6 +235,16 @@ def test_R_BAD_1_framing_and_connection_headers_go_to_the_parser(open_server):
     assert first[::2] == ok[::2] and second[0] == 422
 
 
+def _handled(svc, route, body: bytes):
+    """The route's handler's (status, body) for ``body``, driven as the protocol drives it."""
+    coro = svc.serve_body(route, body)
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    raise AssertionError(f"the {route.path} handler waited")
+
+
 def test_R_Q_2_dynamo_query_plain_door_answers_as_the_handler_or_declines():
     """/query's plain door (api/dynamo.py query_plain) gives the handler's exact bytes for
     the common request and declines (None) everything else, which the handler then answers."""
@@ -253,13 +263,8 @@ def test_R_Q_2_dynamo_query_plain_door_answers_as_the_handler_or_declines():
     svc = app.service  # type: ignore[attr-defined]
     route = svc.routes["/query"]
 
-    def handler(body: bytes):
-        coro = svc.serve_body(route, body)
-        try:
-            coro.send(None)
-        except StopIteration as done:
-            return done.value
-        raise AssertionError("the /query handler waited")
+    def handler(b: bytes):
+        return _handled(svc, route, b)
 
     def body(**kw) -> bytes:
         return json.dumps({"model_name": "default", **kw}).encode()
@@ -294,12 +299,7 @@ def test_R_Q_2_match_plain_door_answers_as_the_handler_or_declines():
     route = svc.routes["/v1/match"]
 
     def handler(b: bytes):
-        coro = svc.serve_body(route, b)
-        try:
-            coro.send(None)
-        except StopIteration as done:
-            return done.value
-        raise AssertionError("the /v1/match handler waited")
+        return _handled(svc, route, b)
 
     for n in (1, 16, 16 * 9, 16 * 30 + 5):
         for doc in ({"token_ids": t[:n]}, {"token_ids": t[:n], "model": "default"}):
