@@ -67,24 +67,9 @@ class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
                                      "({\"type\": \"text\", \"text\": ...}) are supported, multimodal prompts are not")
 
 
-def _one_prompt(q: Any) -> None:
-    given = [n for n in ("token_ids", "prompt", "messages") if getattr(q, n) is not None]
-    if len(given) != 1:
-        raise ValueError("give exactly one of token_ids, prompt (text) and messages (chat)"
-                         + (f", not {' and '.join(given)}" if given else ""))
-    if q.messages is None:
-        extra = [n for n in TEXT_FIELDS[2:] if getattr(q, n) is not None]
-        if extra:
-            raise ValueError(f"{', '.join(extra)} only apply to messages")
+class _TextReq(_Req, frozen=True):
+    """The text members of a request that takes a prompt or chat messages (R-TXT)."""
 
-
-class MatchRequest(_Req, frozen=True):
-    """Longest-prefix match of a prompt (contract R-Q-1): token ids, or text (R-TXT)."""
-
-    token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
-    model: Name | None = None
-    lora_name: Name | None = None
-    cache_salt: CacheSalt | None = None
     # A completions prompt (tokenized with special tokens, as vLLM's /v1/completions does).
     prompt: Annotated[str, Meta(min_length=1)] | None = None
     # Chat messages (rendered with the model's chat template, as vLLM's /v1/chat/completions).
@@ -92,6 +77,30 @@ class MatchRequest(_Req, frozen=True):
     add_generation_prompt: bool | None = None  # messages only; default true
     continue_final_message: bool | None = None  # messages only; default false
     chat_template_kwargs: dict[str, Any] | None = None  # messages only: extra template variables
+
+
+def _chat_options_need_messages(q: _TextReq) -> None:
+    if q.messages is None:
+        extra = [n for n in TEXT_FIELDS[2:] if getattr(q, n) is not None]
+        if extra:
+            raise ValueError(f"{', '.join(extra)} only apply to messages")
+
+
+def _one_prompt(q: Any) -> None:
+    given = [n for n in ("token_ids", "prompt", "messages") if getattr(q, n) is not None]
+    if len(given) != 1:
+        raise ValueError("give exactly one of token_ids, prompt (text) and messages (chat)"
+                         + (f", not {' and '.join(given)}" if given else ""))
+    _chat_options_need_messages(q)
+
+
+class MatchRequest(_TextReq, frozen=True):
+    """Longest-prefix match of a prompt (contract R-Q-1): token ids, or text (R-TXT)."""
+
+    token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
+    model: Name | None = None
+    lora_name: Name | None = None
+    cache_salt: CacheSalt | None = None
 
     def __post_init__(self) -> None:
         _one_prompt(self)
@@ -109,7 +118,7 @@ class WorkerLoad(_Req, frozen=True):
     active_decode_blocks: Count = 0
 
 
-class RouteRequest(_Req, frozen=True):
+class RouteRequest(_TextReq, frozen=True):
     """Best replica for a request: the match, plus optional load and candidates."""
 
     token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
@@ -124,33 +133,20 @@ class RouteRequest(_Req, frozen=True):
     # Tokens the request may generate: its decode blocks count as load until
     # POST /v1/route/{request_id}/done (or decode_ttl_s).
     max_tokens: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None = None
-    prompt: Annotated[str, Meta(min_length=1)] | None = None
-    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
-    add_generation_prompt: bool | None = None
-    continue_final_message: bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _one_prompt(self)
 
 
-class TokenizeRequest(_Req, frozen=True):
+class TokenizeRequest(_TextReq, frozen=True):
     """Tokenize a prompt or chat messages as the model's vLLM would (for debugging)."""
 
     model: Name | None = None
-    prompt: Annotated[str, Meta(min_length=1)] | None = None
-    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
-    add_generation_prompt: bool | None = None
-    continue_final_message: bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt (text) and messages (chat)")
-        if self.messages is None:
-            extra = [n for n in TEXT_FIELDS[2:] if getattr(self, n) is not None]
-            if extra:
-                raise ValueError(f"{', '.join(extra)} only apply to messages")
+        _chat_options_need_messages(self)
 
 
 class EngineRequest(_Req, frozen=True):
