@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from indexer import PrefixIndex
+from indexer._compiled import core as _core
 from indexer.discovery import DnsDiscovery
 from indexer.engines import EndpointRefused, EngineConfig
 from indexer.index import ModelRequiredError
@@ -52,6 +53,11 @@ def error_body(detail: str, key: str = "detail") -> bytes:
 
 
 Handler = Callable[[Any], Awaitable[tuple[int, Any]]]
+
+
+# The plain doors' token split: the compiled call itself (keys.split_json_tokens is its
+# wrapper, which says None without the core: the doors are then shut).
+_split_tokens = _core.split_tokens_json if _core is not None else split_json_tokens
 
 
 class _Route:
@@ -207,12 +213,12 @@ class Service:
                                cache_salt=q.cache_salt)
         return self.answer("/v1/match", t0, res)
 
-    def match_plain(self, route: _Route, body: bytes) -> bytes | None:
-        """:meth:`match`'s answer to the common request (token ids, no LoRA or salt, a model
-        of the common shape: :meth:`~indexer.query.Query.match_plain`) in few Python frames,
-        from the body as read; None for any other request, which :meth:`match` then
-        answers (errors included: nothing is counted here). Needs the compiled core."""
-        split = split_json_tokens(body)
+    def plain_request(self, route: _Route, body: bytes) -> tuple[Any, bytes] | None:
+        """The body of a plain-door request read: ``(its other members, decoded by the
+        route's twin type; the token ids as uint32 bytes)`` when it is the common request
+        (token ids, no LoRA or salt, within ``max_request_tokens``); None for anything else,
+        which the route's handler then answers (errors included: nothing is counted here)."""
+        split = _split_tokens(body)
         if split is None or route.rest_decoder is None:
             return None
         try:
@@ -222,6 +228,16 @@ class Service:
         buf = split[1]
         if q.lora_name is not None or q.cache_salt is not None or len(buf) >> 2 > self.settings.max_request_tokens:
             return None
+        return q, buf
+
+    def match_plain(self, route: _Route, body: bytes) -> bytes | None:
+        """:meth:`match`'s answer to the common request (:meth:`plain_request`, a model of the
+        common shape: :meth:`~indexer.query.Query.match_plain`) in few Python frames, from the
+        body as read; None for any other request, which :meth:`match` then answers."""
+        got = self.plain_request(route, body)
+        if got is None:
+            return None
+        q, buf = got
         t0 = time.perf_counter()
         try:
             res = self.index.match_plain(buf, q.model)

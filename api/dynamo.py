@@ -38,8 +38,7 @@ def error_key(path: str) -> str:
     return "error" if path in PATHS else "detail"
 DEFAULT_GROUP = "default"
 _DP = tuple(str(i) for i in range(64))  # dp ranks as JSON keys, made once
-# The compiled core's calls of the plain door (none without it: the door is then shut).
-_split = _core.split_tokens_json if _core is not None else None
+# The compiled answer of the plain door (none without the core: the door is then shut).
 _dynamo_answer = _core.dynamo_answer if _core is not None else None
 
 
@@ -135,25 +134,18 @@ class Dynamo:
         return 200, out
 
     def query_plain(self, route, body: bytes) -> bytes | None:
-        """:meth:`query`'s answer to the common request (token ids, no LoRA or salt, a
-        model of the common shape: :meth:`~indexer.query.Query.match_plain`), from the
-        body as read, in few Python frames (the calls below are compiled or inlined on
-        purpose: see match_plain); None for any other request, which the caller then
-        serves through :meth:`query` (errors included: nothing is counted here). Needs
-        the compiled core."""
-        if _split is None or _dynamo_answer is None:
+        """:meth:`query`'s answer to the common request (``Service.plain_request``, a model
+        of the common shape: :meth:`~indexer.query.Query.match_plain`), from the body as
+        read, in few Python frames (the calls below are compiled or inlined on purpose: see
+        match_plain); None for any other request, which the caller then serves through
+        :meth:`query` (errors included: nothing is counted here). Needs the compiled core."""
+        if _dynamo_answer is None:
             return None
-        split = _split(body)
-        if split is None:
-            return None
-        try:
-            q = route.rest_decoder.decode(split[0])
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return None
-        buf = split[1]
         svc = self.svc
-        if q.lora_name is not None or q.cache_salt is not None or len(buf) >> 2 > svc.settings.max_request_tokens:
+        got = svc.plain_request(route, body)
+        if got is None:
             return None
+        q, buf = got
         group = q.routing_group
         t0 = time.perf_counter()
         try:
