@@ -396,6 +396,23 @@ def test_token_readers_take_exactly_plain_uint32_arrays(toks) -> None:
     assert core.split_tokens_json(json.dumps({"token_ids": toks}, indent=1).encode()) == want
 
 
+# Mostly uint16 (how vLLM's token ids are packed: the reader takes runs of four in one
+# step), broken up by every other width msgpack has, and by what is not a uint32.
+TOKEN_RUNS = st.lists(st.one_of(st.integers(256, 65535), st.integers(256, 65535), st.integers(256, 65535),
+                                st.integers(0, 255), st.integers(65536, 2**32 - 1), st.integers(2**32, 2**34),
+                                st.integers(-300, -1)), max_size=60)
+
+
+@given(TOKEN_RUNS, st.integers(1, 13))
+@settings(max_examples=500, deadline=None)
+def test_token_reader_reads_uint16_runs_and_whatever_breaks_them(toks, cut) -> None:
+    raw = msgspec.msgpack.encode(toks)
+    ok = all(0 <= t <= 2**32 - 1 for t in toks)
+    assert core.tokens_from_msgpack(raw) == (struct.pack(f"<{len(toks)}I", *toks) if ok else None)
+    if len(raw) > cut:  # an array whose bytes end early: refused, never read past the end
+        assert core.tokens_from_msgpack(raw[:-cut]) is None
+
+
 def test_json_split_keeps_every_other_member_verbatim() -> None:
     body = b' { "model" : "m]", "token_ids" : [ 7 , 0,4294967295 ] , "x": {"y": [1, "]\\\"", {}]}, "n": -1.5e3 } '
     rest, toks = core.split_tokens_json(body)
