@@ -1596,27 +1596,27 @@ rd_tokens(Rd *r, PyObject **out, uint32_t *count)
         return -1;
     unsigned char *o = (unsigned char *)PyBytes_AS_STRING(b);
     const unsigned char *p = r->p, *end = r->end;
-    for (uint32_t i = 0; i < n; i++) {
+    uint32_t i = 0;
+    while (i < n) {
         /* The two shapes a vLLM token id takes (a positive fixint below 128, a uint16
          * above) read inline: ~1,000 per event, the decode's hottest loop; four uint16
          * in a row (the common run) in one step. Anything else through rd_int, which
          * also refuses what is not a uint32. */
-        while (n - i >= 4 && end - p >= 12 && p[0] == 0xcd && p[3] == 0xcd && p[6] == 0xcd && p[9] == 0xcd) {
-            unsigned char *q = o + (size_t)i * 4;
-            put_le32(q, ((uint32_t)p[1] << 8) | p[2]);
-            put_le32(q + 4, ((uint32_t)p[4] << 8) | p[5]);
-            put_le32(q + 8, ((uint32_t)p[7] << 8) | p[8]);
-            put_le32(q + 12, ((uint32_t)p[10] << 8) | p[11]);
+        unsigned char *q = o + (size_t)i * 4;
+        if (n - i >= 4 && end - p >= 12 && p[0] == 0xcd && p[3] == 0xcd && p[6] == 0xcd && p[9] == 0xcd) {
+            put_le32(q, (uint32_t)be(p + 1, 2));
+            put_le32(q + 4, (uint32_t)be(p + 4, 2));
+            put_le32(q + 8, (uint32_t)be(p + 7, 2));
+            put_le32(q + 12, (uint32_t)be(p + 10, 2));
             p += 12;
             i += 4;
+            continue;
         }
-        if (i == n)
-            break;
         uint32_t t;
         if (p < end && *p < 0x80)
             t = *p++;
         else if (end - p >= 3 && *p == 0xcd) {
-            t = ((uint32_t)p[1] << 8) | p[2];
+            t = (uint32_t)be(p + 1, 2);
             p += 3;
         }
         else {
@@ -1630,7 +1630,8 @@ rd_tokens(Rd *r, PyObject **out, uint32_t *count)
             p = r->p;
             t = (uint32_t)v;
         }
-        put_le32(o + (size_t)i * 4, t);
+        put_le32(q, t);
+        i++;
     }
     r->p = p;
     *out = b;
