@@ -406,6 +406,8 @@ TOKEN_RUNS = st.lists(st.one_of(st.integers(256, 65535), st.integers(256, 65535)
 @given(TOKEN_RUNS, st.integers(1, 13))
 @settings(max_examples=500, deadline=None)
 def test_token_reader_reads_uint16_runs_and_whatever_breaks_them(toks, cut) -> None:
+    """R-BAD-3, R-DEC-3: the event reader takes exactly the uint32 arrays and refuses the rest
+    (the typed decoder then says what is wrong), never reading past a truncated array."""
     raw = msgspec.msgpack.encode(toks)
     ok = all(0 <= t <= 2**32 - 1 for t in toks)
     assert core.tokens_from_msgpack(raw) == (struct.pack(f"<{len(toks)}I", *toks) if ok else None)
