@@ -44,7 +44,7 @@ ours/Dynamo of the medians. ``--json FILE`` also writes every run's figures.
 ``--mode load``: query latency under sustained ingest. Each server gets the workload
 first (as above), then ``--rates`` paced ingest rates (blocks/s over all engines, new
 sequences) while one client sends ``/query`` back to back for ``--seconds``, in 5 slices
-alternating between the two servers (the other one idle): p50/p99.
+alternating between the two servers (the other one idle): p50, p90, p99 and p99.9, and each run's own p99 ratio.
 
 Many engines: ``--workers 256`` (the query prompt is held whole by every engine, so each
 answer names all 256).
@@ -481,10 +481,12 @@ def run_load(args, wl: Workload, extra: Workload, kinds: list[str], slices: int 
                         time.sleep(0.2)  # the slice's last batches applied before the other server's turn
                 for kind in kinds:
                     v = sorted(ns[kind])
-                    got = (percentile(v, 50) / 1000, percentile(v, 99) / 1000, len(v))
+                    got = (percentile(v, 50) / 1000, percentile(v, 99) / 1000, len(v),
+                           percentile(v, 90) / 1000, percentile(v, 99.9) / 1000)
                     out[kind].setdefault(rate, []).append(got)
                     print(f"[run {r + 1} {kind:6}] ingest {rate:,} blocks/s: query p50 {got[0]:.1f} us "
-                          f"p99 {got[1]:.1f} us ({got[2]} queries)", flush=True)
+                          f"p90 {got[3]:.1f} us p99 {got[1]:.1f} us p99.9 {got[4]:.1f} us ({got[2]} queries)",
+                          flush=True)
     return out
 
 
@@ -527,15 +529,21 @@ def main() -> None:
                 meds = {}
                 for kind in kinds:
                     got = res[kind][rate]
-                    p50 = statistics.median(g[0] for g in got)
+                    p50, p90, p999 = (statistics.median(g[i] for g in got) for i in (0, 3, 4))
                     p99s = [g[1] for g in got]
                     meds[kind] = statistics.median(p99s)
-                    row += [f"{p50:.1f}", f"{meds[kind]:.1f} [{min(p99s):.1f}-{max(p99s):.1f}]"]
+                    row += [f"{p50:.1f}", f"{p90:.1f}", f"{meds[kind]:.1f} [{min(p99s):.1f}-{max(p99s):.1f}]",
+                            f"{p999:.1f}"]
                 if len(kinds) == 2:
-                    row.append(f"{meds['ours'] / meds['dynamo']:.2f}x")
+                    # The ratio of the medians, and each run's own ratio (both servers measured in
+                    # the same run, alternating slices): how often ours is the lower p99.
+                    per_run = [a[1] / b[1] for a, b in zip(res["ours"][rate], res["dynamo"][rate])]
+                    row += [f"{meds['ours'] / meds['dynamo']:.2f}x",
+                            " ".join(f"{x:.2f}" for x in per_run) + f" (median {statistics.median(per_run):.2f})"]
                 rows.append(row)
-            heads = ["ingest blocks/s"] + [h for k in kinds for h in (f"{k} p50 us", f"{k} p99 us [min-max]")]
-            print(table(heads + (["p99 ours/Dynamo"] if len(kinds) == 2 else []), rows,
+            heads = ["ingest blocks/s"] + [h for k in kinds for h in (f"{k} p50 us", f"{k} p90 us",
+                                                                      f"{k} p99 us [min-max]", f"{k} p99.9 us")]
+            print(table(heads + (["p99 ours/Dynamo", "per run"] if len(kinds) == 2 else []), rows,
                         f"query latency under paced ingest, medians of {args.runs} runs"), flush=True)
             report["results"].append({"entries": wl.entries, "load": {k: {str(r): v for r, v in d.items()}
                                                                       for k, d in res.items()}})
