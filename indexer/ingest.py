@@ -88,7 +88,7 @@ class _Sink:
                 return f"batches from {start} lost and no replay endpoint"
             return "replay socket not open"
         sub.dealer.send_multipart((b"", start.to_bytes(8, "big")))
-        self.ingest._replaying.add(sub)
+        self.ingest._replay_on(sub)
         return None
 
     def cancel_replay(self, sub: _Sub) -> None:
@@ -96,7 +96,7 @@ class _Sink:
         if sub.dealer is not None:
             self.ingest._close_dealer(sub)
             self.ingest._open_dealer(sub)
-        self.ingest._replaying.discard(sub)
+        self.ingest._replay_off(sub)
 
     def mark_stale(self, sub: _Sub, reason: str) -> None:
         self.index.mark_stale(sub.engine, sub.rank, reason)
@@ -405,7 +405,7 @@ class Indexer(ZmqTransport, Background, Queries):
                 self.engine_loads.pop((engine_id, r), None)
                 if sub is not None:
                     self._close(sub)
-                    self._replaying.discard(sub)
+                    self._replay_off(sub)
                 self.index.drop_worker(engine_id, r)
         self._count("unregister", via)
         return True

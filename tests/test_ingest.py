@@ -1256,3 +1256,135 @@ def test_R_BAD_3_an_internal_error_costs_one_message_not_the_ingest_thread():
     finally:
         ix.stop()
         pub.close()
+
+
+# ------------------------------------------- the two pollers (transport.py)
+
+
+def test_R_STR_6_a_silent_workers_link_follows_its_socket_while_another_streams(rig):
+    """Monitors are not in the hot poll: they are swept every SWEEP_S. While one engine
+    streams without a pause (so the hot poll never times out), a silent engine's
+    disconnect and its return must still show in its link state, within a bound."""
+    port = free_ports(1)
+    busy = rig.pub()
+    rb = Rec(busy, "busy")
+    quiet = rig.pub(f"tcp://127.0.0.1:{port}", None, bind=True)
+    ix = rig.indexer([cfg(busy, "busy"), EngineConfig(id="quiet", endpoint=f"tcp://127.0.0.1:{port}")])
+    ready(ix)
+    stop = threading.Event()
+
+    def stream():
+        i = 0
+        while not stop.is_set():
+            rb.send(gpu(P[i % len(P)], 1 + i % 4))
+            i += 1
+            time.sleep(0.002)
+
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+    try:
+        wait_until(lambda: wi(ix, "busy")["messages"] > 50, msg="the busy engine streams")
+        quiet.close()
+        t0 = time.monotonic()
+        wait_until(lambda: not wi(ix, "quiet")["connected"], timeout=3, msg="the silent engine's disconnect seen")
+        assert time.monotonic() - t0 < 2.0
+        again = wait_until(lambda: _try_bind(rig, port), msg="rebind the silent engine's port")
+        assert again is not None
+        wait_until(lambda: wi(ix, "quiet")["connected"], timeout=5, msg="the silent engine's reconnect seen")
+        assert wi(ix, "busy")["messages"] > 50  # the busy engine streamed throughout
+    finally:
+        stop.set()
+        t.join()
+    wait_applied(ix, rb)
+    assert not wi(ix, "busy")["stale"] and wi(ix, "busy")["gaps"] == 0
+
+
+def _try_bind(rig, port: int):
+    try:
+        return rig.pub(f"tcp://127.0.0.1:{port}", None, bind=True)
+    except zmq.ZMQError:
+        return None
+
+
+def test_R_STR_2_the_hot_poll_holds_live_sockets_and_only_a_replaying_workers_dealer(rig):
+    """The hot poll (asked on every wake-up) holds the wake-up socket and one live SUB
+    per worker; a worker's DEALER joins it only while that worker replays, and leaves
+    when the replay ends: the per-wake-up cost grows with workers, not with 3x them."""
+    pubs = [rig.pub() for _ in range(3)]
+    man = ManualReplay(rig)
+    rec = Rec(pubs[0], "e0")
+    ix = rig.indexer([EngineConfig(id="e0", endpoint=pubs[0].live_endpoint, replay_endpoint=man.endpoint)]
+                     + [cfg(p, f"e{i}") for i, p in enumerate(pubs) if i])
+    ready(ix)
+
+    def hot() -> int:
+        return len(ix._poller.sockets)
+
+    assert hot() == 1 + 3                           # wake-up PAIR + 3 live SUBs
+    rec.send(gpu(P[0]))
+    rec.send(gpu(P[1]), drop=True)                  # a gap: e0 replays from its anchor
+    rec.send(gpu(P[2]))
+    client, start = man.request()
+    assert start == 0
+    wait_until(lambda: hot() == 1 + 3 + 1, msg="the replaying worker's DEALER in the hot poll")
+    assert wi(ix, "e0")["replaying"]
+    man.answer(client, [(s, p) for s, p in rec.log if s >= start])
+    wait_applied(ix, rec)
+    wait_until(lambda: hot() == 1 + 3, msg="the DEALER back out of the hot poll once the replay ended")
+    assert wi(ix, "e0")["replays_ok"] == 1 and not wi(ix, "e0")["stale"]
+    assert_same_index(ix, reference([rec]), P[:3])
+
+
+def test_R_STR_7_a_reconnect_is_seen_before_the_first_batch_over_it_while_the_hot_poll_is_busy(rig):
+    """An engine restarts on the same port; the first batch of its new incarnation that
+    reaches us is seq 1 (its seq 0 went out before we resubscribed), right after the
+    old one's last seq 0: by its number alone it looks continuous. Only the reconnect
+    says otherwise, so it must be handled before that batch, even while another engine
+    keeps the hot poll busy (monitors are swept only every SWEEP_S there): the old
+    incarnation's prompt must then be gone, or the worker stale with a reason."""
+    port = free_ports(1)
+    old = rig.pub(f"tcp://127.0.0.1:{port}", None, bind=True)
+    rold = Rec(old, "e1")
+    busy = rig.pub()
+    rb = Rec(busy, "busy")
+    ix = rig.indexer([EngineConfig(id="e1", endpoint=f"tcp://127.0.0.1:{port}"), cfg(busy, "busy")])
+    ready(ix)
+    rold.send(gpu(P[0]))                            # seq 0 of the old incarnation
+    wait_applied(ix, rold)
+    stop = threading.Event()
+
+    def stream():
+        i = 0
+        while not stop.is_set():
+            rb.send(gpu(P[2 + i % 4], 1 + i % 4))
+            i += 1
+            time.sleep(0.002)
+
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+    try:
+        old.close()
+        wait_until(lambda: not wi(ix, "e1")["connected"], timeout=3, msg="the old incarnation's disconnect seen")
+        new = wait_until(lambda: _try_xpub(rig, port), msg="the new incarnation binds the port")
+        assert new.poll(5000), "the indexer never resubscribed"
+        assert new.recv() == b"\x01"                # the subscription (topic ""): deliveries start now
+        payload = encode_batch(gpu(P[1]), ts=time.time(), dp_rank=0, version="0.33")
+        new.send_multipart([b"", seq8(1), payload])  # seq 0 of this incarnation was never delivered
+        wait_until(lambda: wi(ix, "e1")["messages"] >= 2, msg="the new incarnation's batch received")
+        time.sleep(0.3)
+    finally:
+        stop.set()
+        t.join()
+    w = wi(ix, "e1")
+    assert w["stale"] or total(ix, P[0], "e1") == 0, w
+    if w["stale"]:
+        assert w["stale_reason"], w
+
+
+def _try_xpub(rig, port: int):
+    s = rig.sock(zmq.XPUB)
+    try:
+        s.bind(f"tcp://127.0.0.1:{port}")
+        return s
+    except zmq.ZMQError:
+        return None
