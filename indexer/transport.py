@@ -178,34 +178,34 @@ class ZmqTransport:
         self._cold.register(d, zmq.POLLIN)  # late or stray answers are still read (and dropped)
         self._owner[d] = (sub, "replay")
         if sub in self._replaying:
-            self._replay_on(sub)
+            self._poller.register(d, zmq.POLLIN)
 
     def _close_dealer(self, sub: Sub) -> None:
         d = sub.dealer
         if d is not None:
             self._cold.unregister(d)
-            if d in self._hot_dealers:
-                self._hot_dealers.discard(d)
+            if sub in self._replaying:
                 self._poller.unregister(d)
             self._owner.pop(d, None)
             d.close(0)
             sub.dealer = None
 
+    # A DEALER is in the hot poll exactly while its worker is in _replaying: these two
+    # and _open_dealer / _close_dealer are the only places that change either.
+
     def _replay_on(self, sub: Sub) -> None:
         """``sub`` replays: its DEALER's answers are read on every wake-up until it ends."""
-        self._replaying.add(sub)
-        d = sub.dealer
-        if d is not None and d not in self._hot_dealers:
-            self._hot_dealers.add(d)
-            self._poller.register(d, zmq.POLLIN)
+        if sub not in self._replaying:
+            self._replaying.add(sub)
+            if sub.dealer is not None:
+                self._poller.register(sub.dealer, zmq.POLLIN)
 
     def _replay_off(self, sub: Sub) -> None:
         """``sub`` no longer replays: its DEALER goes back to the sweep."""
-        self._replaying.discard(sub)
-        d = sub.dealer
-        if d is not None and d in self._hot_dealers:
-            self._hot_dealers.discard(d)
-            self._poller.unregister(d)
+        if sub in self._replaying:
+            self._replaying.discard(sub)
+            if sub.dealer is not None:
+                self._poller.unregister(sub.dealer)
 
     def _close(self, sub: Sub) -> None:
         if sub.sock is None:
@@ -225,7 +225,6 @@ class ZmqTransport:
     def _run(self, wake_rx: zmq.Socket[bytes]) -> None:
         self._poller = zmq.Poller()  # hot: wake_rx, live SUBs, DEALERs of replaying workers
         self._cold = zmq.Poller()  # monitors and DEALERs, swept (see the module's docstring)
-        self._hot_dealers: set[zmq.Socket[bytes]] = set()
         self._owner: dict[zmq.Socket[bytes], tuple[Sub, str]] = {}  # socket -> (sub, "live" | "mon" | "replay")
         self._poller.register(wake_rx, zmq.POLLIN)
         for sub in self._subs.values():
