@@ -19,6 +19,8 @@ import random
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import msgspec
 import pytest
@@ -170,6 +172,37 @@ def wait_applied(ix: Indexer, rec: Rec, timeout: float = 5.0) -> None:
 
     wait_until(ok, timeout,
                msg=lambda: f"{rec.engine}/{rec.rank} applied up to seq {last}: {wi(ix, rec.engine, rec.rank)}")
+
+
+def try_bind(rig, port: int) -> VllmPublisher | None:
+    """A publisher bound on ``port`` (a restarted engine on its fixed port), or None while
+    the old process's port is not free yet."""
+    try:
+        return rig.pub(f"tcp://127.0.0.1:{port}", None, bind=True)
+    except zmq.ZMQError:
+        return None
+
+
+@contextmanager
+def streaming(rec: Rec, prompts) -> Iterator[None]:
+    """``rec`` publishes a batch every ~2 ms (cycling over ``prompts``) on a thread of its
+    own until the block ends: a worker that keeps the ingest thread's hot poll busy."""
+    stop = threading.Event()
+
+    def stream() -> None:
+        i = 0
+        while not stop.is_set():
+            rec.send(gpu(prompts[i % len(prompts)], 1 + i % 4))
+            i += 1
+            time.sleep(0.002)
+
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
 
 
 class Rig:
@@ -916,13 +949,7 @@ def test_R_STR_6_publisher_up_later_is_picked_up_and_down_one_blocks_nobody(rig)
     assert total(ix, P[3], "good") == 4
     assert total(ix, P[1], "late") == 4             # index kept while it is away
 
-    def rebind():
-        try:
-            return rig.pub(f"tcp://127.0.0.1:{port}", None, bind=True)
-        except zmq.ZMQError:
-            return None
-
-    late2 = wait_until(rebind, msg="rebind the late engine's port")
+    late2 = wait_until(lambda: try_bind(rig, port), msg="rebind the late engine's port")
     rl2 = Rec(late2, "late")
     rl2.live_sent = rl.live_sent               # same worker, its messages count on
     ready(ix, "late")
@@ -1271,39 +1298,18 @@ def test_R_STR_6_a_silent_workers_link_follows_its_socket_while_another_streams(
     quiet = rig.pub(f"tcp://127.0.0.1:{port}", None, bind=True)
     ix = rig.indexer([cfg(busy, "busy"), EngineConfig(id="quiet", endpoint=f"tcp://127.0.0.1:{port}")])
     ready(ix)
-    stop = threading.Event()
-
-    def stream():
-        i = 0
-        while not stop.is_set():
-            rb.send(gpu(P[i % len(P)], 1 + i % 4))
-            i += 1
-            time.sleep(0.002)
-
-    t = threading.Thread(target=stream, daemon=True)
-    t.start()
-    try:
+    with streaming(rb, P):
         wait_until(lambda: wi(ix, "busy")["messages"] > 50, msg="the busy engine streams")
         quiet.close()
         t0 = time.monotonic()
         wait_until(lambda: not wi(ix, "quiet")["connected"], timeout=3, msg="the silent engine's disconnect seen")
         assert time.monotonic() - t0 < 2.0
-        again = wait_until(lambda: _try_bind(rig, port), msg="rebind the silent engine's port")
+        again = wait_until(lambda: try_bind(rig, port), msg="rebind the silent engine's port")
         assert again is not None
         wait_until(lambda: wi(ix, "quiet")["connected"], timeout=5, msg="the silent engine's reconnect seen")
         assert wi(ix, "busy")["messages"] > 50  # the busy engine streamed throughout
-    finally:
-        stop.set()
-        t.join()
     wait_applied(ix, rb)
     assert not wi(ix, "busy")["stale"] and wi(ix, "busy")["gaps"] == 0
-
-
-def _try_bind(rig, port: int):
-    try:
-        return rig.pub(f"tcp://127.0.0.1:{port}", None, bind=True)
-    except zmq.ZMQError:
-        return None
 
 
 def test_R_STR_2_the_hot_poll_holds_live_sockets_and_only_a_replaying_workers_dealer(rig):
@@ -1351,18 +1357,7 @@ def test_R_STR_7_a_reconnect_is_seen_before_the_first_batch_over_it_while_the_ho
     ready(ix)
     rold.send(gpu(P[0]))                            # seq 0 of the old incarnation
     wait_applied(ix, rold)
-    stop = threading.Event()
-
-    def stream():
-        i = 0
-        while not stop.is_set():
-            rb.send(gpu(P[2 + i % 4], 1 + i % 4))
-            i += 1
-            time.sleep(0.002)
-
-    t = threading.Thread(target=stream, daemon=True)
-    t.start()
-    try:
+    with streaming(rb, P[2:6]):
         old.close()
         wait_until(lambda: not wi(ix, "e1")["connected"], timeout=3, msg="the old incarnation's disconnect seen")
         new = wait_until(lambda: _try_xpub(rig, port), msg="the new incarnation binds the port")
@@ -1372,9 +1367,6 @@ def test_R_STR_7_a_reconnect_is_seen_before_the_first_batch_over_it_while_the_ho
         new.send_multipart([b"", seq8(1), payload])  # seq 0 of this incarnation was never delivered
         wait_until(lambda: wi(ix, "e1")["messages"] >= 2, msg="the new incarnation's batch received")
         time.sleep(0.3)
-    finally:
-        stop.set()
-        t.join()
     w = wi(ix, "e1")
     assert w["stale"] or total(ix, P[0], "e1") == 0, w
     if w["stale"]:
