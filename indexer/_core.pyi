@@ -135,7 +135,7 @@ def insert_gpu(
 
 def walk(
     root: Node,
-    chunks: Iterable[Sequence[int]],
+    chunks: Iterable[Sequence[int] | bytes],
     keep_path: bool,
     /,
 ) -> tuple[int, list[tuple[int, int]], int, list[Node] | None]:
@@ -143,7 +143,8 @@ def walk(
 
     Returns ``(depth, stops, active, path)``: ``stops`` holds ``(depth, mask)``
     where workers' GPU runs end, ``active`` the workers whose run is unbroken,
-    ``path`` the nodes passed (None unless ``keep_path``). Read-only.
+    ``path`` the nodes passed (None unless ``keep_path``). A chunk may be bytes of
+    little-endian uint64 keys (:func:`block_keys_packed`). Read-only.
     """
 
 
@@ -287,3 +288,8 @@ def load_map(wmap: U64Map, hashes: Buffer, idx: Buffer, nodes: list[Node], /) ->
     different lengths, IndexError for an index past ``nodes``. Same as
     ``snapshot._py_load_map``.
     """
+
+
+def block_keys_packed(buf: Buffer, block_size: int, seed: int, limit: int, /) -> bytes:
+    """:func:`block_keys` of blocks 0 .. ``limit`` (-1: all) with one ``seed``, as
+    little-endian uint64 bytes (8 per block): what :func:`walk` reads as a chunk."""

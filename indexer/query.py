@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .keys import (
     KEY_SEED,
-    _c_block_keys,
+    _c_block_keys_packed,
     block_keys,
     query_extra_keys,
     seeds_for_blocks,
@@ -224,9 +224,11 @@ class Query(Lifecycle):
             bs = tree.block_size
             ntok = len(buf) >> 2
             n = ntok // bs
-            # Up to 64 blocks in one call; a longer prompt hashed as the walk goes (_LazyKeys).
-            chunks = ((_c_block_keys or block_keys)(buf, bs, KEY_SEED, n, 0),) if n <= 64 else \
-                _LazyKeys(buf, bs, KEY_SEED, n).chunks()
+            # Up to 64 blocks in one call (packed: no int per key); a longer prompt hashed
+            # as the walk goes (_LazyKeys).
+            chunks: Any = (
+                (_c_block_keys_packed(buf, bs, KEY_SEED, n) if _c_block_keys_packed is not None
+                 else block_keys(buf, bs, KEY_SEED, n),) if n <= 64 else _LazyKeys(buf, bs, KEY_SEED, n).chunks())
             return self._gpu_only(m, g, tree, chunks, ntok)
 
     def _gpu_only(self, m: _Model, g: int, tree: Tree, key_chunks: Iterable[Sequence[int]], ntok: int) -> MatchResult:

@@ -324,6 +324,20 @@ def test_walk_matches_pure_python(stores, query, keep, chunk) -> None:
     d1, stops1, active1, path1 = core.walk(root, iter(chunks), keep)
     assert (d1, stops1, active1) == (d0, stops0, active0)
     assert path1 == path0  # the same node objects, or both None
+    # The same keys packed (little-endian uint64 bytes, what /query's plain door walks),
+    # alone or mixed with int chunks.
+    packed = [b"".join(struct.pack("<Q", k) for k in c) if i % 2 == 0 else c for i, c in enumerate(chunks)]
+    assert core.walk(root, iter(packed), keep) == (d0, stops0, active0, path0)
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=200), st.integers(1, 20), st.integers(-1, 12),
+       st.integers(0, 2**64 - 1))
+@settings(max_examples=200, deadline=None)
+def test_packed_block_keys_are_the_keys_as_uint64(toks, bs, limit, seed) -> None:
+    buf = struct.pack(f"<{len(toks)}I", *toks)
+    want = [xxhash.xxh3_64_intdigest(buf[j * bs * 4:(j + 1) * bs * 4], seed) for j in range(len(toks) // bs)]
+    want = want if limit < 0 else want[:limit]
+    assert core.block_keys_packed(buf, bs, seed, limit) == struct.pack(f"<{len(want)}Q", *want)
 
 
 @st.composite
