@@ -111,6 +111,11 @@ class FastHttpToolsProtocol(HttpToolsProtocol):
         self._body: list[bytes] = []
         self._size = 0
         self._parsing = False  # the parser holds part of a request (between its begin and complete)
+        # A hot request whose head came whole and whose body is still coming (_raw, _more):
+        # (the reads so far, their length, the request's whole length, where its body
+        # starts, the route).
+        self._held: tuple[list[bytes], int, int, int, Any] | None = None
+        self._closing = False  # shutdown came while a request was held
         app = self.fast_app
         # Whole hot requests read without the parser (_raw): {raw path: route}, when nothing
         # per request needs what only the parser's callbacks give (auth reads the headers).
@@ -120,17 +125,48 @@ class FastHttpToolsProtocol(HttpToolsProtocol):
             and self.limit_concurrency is None else None)
 
     def data_received(self, data: bytes) -> None:
+        if self._held is not None:
+            self._more(data)
+            return
         if (data[:5] == b"POST " and self._raw_routes is not None and not self._parsing
                 and (self.cycle is None or self.cycle.response_complete) and self._raw(data)):
             return
         super().data_received(data)
 
+    def _more(self, data: bytes) -> None:
+        """The next read of a held request: answer it once whole; hand everything read so
+        far to the parser if more than the request came (a pipelined request behind it)."""
+        reads, got, whole, body_at, route = self._held  # type: ignore[misc]
+        reads.append(data)
+        got += len(data)
+        if got < whole:
+            self._held = (reads, got, whole, body_at, route)
+            return
+        self._held = None
+        raw = b"".join(reads)
+        if got > whole:
+            super().data_received(raw)  # the parser reads it all, as if never held
+            return
+        cycle = _FastCycle()
+        cycle.keep_alive = not self._closing
+        self.cycle = cycle  # type: ignore[assignment]
+        self._serve(cycle, route, raw[body_at:])
+
+    def shutdown(self) -> None:
+        # As uvicorn does for a request whose body it is still reading: answered, then closed.
+        if self._held is not None:
+            self._closing = True
+            return
+        super().shutdown()
+
     def _raw(self, data: bytes) -> bool:
         """Answer ``data`` if it is exactly one whole POST to a hot route with a plain
-        ``Content-Length`` body; False (nothing done) for anything else, which the parser
-        then reads as usual: a partial or pipelined read, other headers that change the
-        framing or the connection (Transfer-Encoding, Connection other than keep-alive,
-        Expect, Upgrade), a body over the limit, a header the grammar does not allow."""
+        ``Content-Length`` body, or hold it if it is such a request's whole head and part
+        of its body (:meth:`_more` reads the rest); False (nothing done) for anything else,
+        which the parser then reads as usual: a partial head, a pipelined read, other
+        headers that change the framing or the connection (Transfer-Encoding, Connection
+        other than keep-alive, Expect, Upgrade), a body over the limit, a header the
+        grammar does not allow."""
         line_end = data.find(b"\r\n")
         head_end = data.find(b"\r\n\r\n", line_end)
         if line_end < 0 or head_end < 0:
@@ -157,12 +193,18 @@ class FastHttpToolsProtocol(HttpToolsProtocol):
                 elif name in _REFRAME and (name != b"connection" or value.strip(b" \t").lower() != b"keep-alive"):
                     return False
         body = data[head_end + 4:]
-        if len(body) != clen or clen > self.fast_app.service.settings.max_request_bytes:
+        if len(body) > clen or clen > self.fast_app.service.settings.max_request_bytes:
             return False
         task = self.timeout_keep_alive_task  # _unset_keepalive_if_required, inlined
         if task is not None:
             task.cancel()
             self.timeout_keep_alive_task = None
+        if len(body) < clen:
+            # The head alone, or part of the body: clients write a large body after the
+            # head (http.client does for bodies of 2,000 bytes or more), so a 1,024-token
+            # query often comes in two reads. Held here, not given to the parser.
+            self._held = ([data], len(data), head_end + 4 + clen, head_end + 4, route)
+            return True
         cycle = _FastCycle()
         self.cycle = cycle  # type: ignore[assignment]
         self._serve(cycle, route, body)

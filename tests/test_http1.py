@@ -208,6 +208,45 @@ def test_R_BAD_1_one_read_and_split_reads_answer_alike(open_server, doc):
     assert errors == (0 if s1 == 200 else 2), (s1, b1)
 
 
+@pytest.mark.parametrize("doc", [
+    {"token_ids": list(range(400)), "model": "m"},  # a body of 2,000 bytes or more: http.client's two writes
+    {"token_ids": [1, 2.5], "model": "m"},
+    {"token_ids": [1] * 16, "model": "m", "cache_salt": 7},
+])
+def test_R_BAD_1_a_body_after_its_head_answers_as_one_read(open_server, doc):
+    """A whole head, then the body in one or more later reads (held, not parsed): the same
+    status and body as the request in one read, and errors counted both times."""
+    req = _post("/v1/match", doc, token=None)
+    head = req.index(b"\r\n\r\n") + 4
+    before = _errors(open_server)
+    (s1, _, b1), = _exchange(open_server, [req])
+    (s2, h2, b2), = _exchange(open_server, [req[:head], req[head:]])
+    (s3, _, b3), = _exchange(open_server, [req[:head + 3], req[head + 3:-2], req[-2:]])
+    assert (s1, b1) == (s2, b2) == (s3, b3)
+    assert h2["content-type"] == "application/json"
+    assert _errors(open_server) - before == (0 if s1 == 200 else 3), (s1, b1)
+
+
+def test_R_BAD_1_a_held_request_then_a_pipelined_one_answer_in_order(open_server):
+    """The read that completes a held body also brings the next request: both answered, in
+    order (the parser reads the two from the start)."""
+    first = _post("/v1/match", {"token_ids": [3] * 16, "model": "m"}, token=None)
+    second = _post("/v1/match", {"token_ids": "x", "model": "m"}, token=None)
+    head = first.index(b"\r\n\r\n") + 4
+    alone = _exchange(open_server, [first])[0]
+    a, b = _exchange(open_server, [first[:head + 5], first[head + 5:] + second], answers=2)
+    assert a[::2] == alone[::2] and b[0] == 422
+
+
+def test_R_BAD_1_a_request_cut_off_after_its_head_leaves_the_server_serving(open_server):
+    req = _post("/v1/match", {"token_ids": [3] * 16, "model": "m"}, token=None)
+    s, _ = _conn(open_server)
+    s.sendall(req[:req.index(b"\r\n\r\n") + 6])
+    time.sleep(0.05)
+    s.close()
+    assert _exchange(open_server, [req])[0][0] == 404  # nothing indexed: the handler's answer
+
+
 def test_R_BAD_1_framing_and_connection_headers_go_to_the_parser(open_server):
     body = json.dumps({"token_ids": [3] * 16, "model": "m"}).encode()
     head = "POST /v1/match HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
