@@ -1489,8 +1489,8 @@ PyDoc_STRVAR(block_keys_packed_doc,
 "block (one seed): what walk reads without an int object per key.");
 
 /* Why: a query's 64 keys as ints are 64 allocations of pymalloc's 48-byte class,
- * the class the tree's nodes live in, so each lands somewhere in the index's pages:
- * with the caches cold (a query each ~200 us) that was ~4 us of a /query. */
+ * the class the tree's nodes live in, freed again at once (Query.match_plain warm at
+ * 10^6 entries: 7.8 us with them, 5.3 us packed). */
 static PyObject *
 block_keys_packed(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
 {
