@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 import time
 
@@ -245,6 +246,34 @@ def test_R_BAD_1_a_request_cut_off_after_its_head_leaves_the_server_serving(open
     time.sleep(0.05)
     s.close()
     assert _exchange(open_server, [req])[0][0] == 404  # nothing indexed: the handler's answer
+
+
+def test_R_BAD_1_a_held_request_is_answered_through_a_graceful_shutdown():
+    """SIGTERM while a request's body is still coming: the body is read and answered, the
+    connection then closed, and the server exits (as uvicorn does for a body it reads)."""
+    srv = Server(env={"KVI_MAX_REQUEST_BYTES": str(MAX_BYTES)})
+    try:
+        req = _post("/v1/match", {"token_ids": [3] * 16, "model": "m"}, token=None)
+        cut = req.index(b"\r\n\r\n") + 6
+        s, f = _conn(srv)
+        try:
+            s.sendall(req[:cut])
+            time.sleep(0.2)
+            srv.proc.terminate()
+            time.sleep(0.5)
+            assert srv.proc.poll() is None  # still waiting for the held request
+            s.sendall(req[cut:])
+            status, _, body = _read_response(f)
+            assert status == 404 and b"unknown model" in body  # nothing indexed: the handler's answer
+            s.settimeout(2)  # well inside the 5 s keep-alive timeout, which would close it too
+            assert f.read(1) == b""  # then closed
+        finally:
+            s.close()
+        # It exits by itself (uvicorn re-raises the SIGTERM it caught once shut down).
+        assert srv.proc.wait(10) in (0, -signal.SIGTERM)
+        assert "Shutting down" in srv.output()
+    finally:
+        srv.stop()
 
 
 def test_R_BAD_1_framing_and_connection_headers_go_to_the_parser(open_server):
