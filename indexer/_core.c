@@ -1278,7 +1278,7 @@ PyDoc_STRVAR(walk_doc,
 "whose GPU run is unbroken; `stops` gets (depth, mask) where runs end. Without\n"
 "`keep_path` the walk also stops when no worker is left; with it, `path` lists\n"
 "the nodes passed (for the other tiers' chunk scan). A chunk may also be bytes of\n"
-"little-endian uint64 keys (block_keys_packed). Read-only. Same steps as\n"
+"little-endian uint64 keys (block_keys with packed). Read-only. Same steps as\n"
 "tree.walk.");
 
 static PyObject *
@@ -1304,7 +1304,7 @@ walk(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
         goto fail;
     int done = 0;
     while (!done && (chunk = PyIter_Next(it)) != NULL) {
-        /* A bytes chunk is packed keys (block_keys_packed): no int object per key. */
+        /* A bytes chunk is packed keys (block_keys with packed): no int object per key. */
         const unsigned char *packed = NULL;
         PyObject *seq;
         Py_ssize_t n;
@@ -1403,17 +1403,25 @@ fail:
 /* ------------------------------------------------------ keys and token ids */
 
 PyDoc_STRVAR(block_keys_doc,
-"block_keys(buf, block_size, seed, limit=-1, start=0) -> list[int]\n\n"
+"block_keys(buf, block_size, seed, limit=-1, start=0, packed=False) -> list[int] | bytes\n\n"
 "xxh3-64 of each full block `start` .. `limit` (-1: all) of `buf`, little-endian\n"
-"uint32 token ids; `seed` is one int or one per block, indexed from block 0.");
+"uint32 token ids; `seed` is one int or one per block, indexed from block 0.\n"
+"With `packed`, the keys as little-endian uint64 bytes, 8 per block: what walk\n"
+"reads without an int object per key.");
 
 static PyObject *
 block_keys(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs < 3 || nargs > 5) {
-        PyErr_SetString(PyExc_TypeError, "block_keys(buf, block_size, seed, limit=-1, start=0)");
+    if (nargs < 3 || nargs > 6) {
+        PyErr_SetString(PyExc_TypeError, "block_keys(buf, block_size, seed, limit=-1, start=0, packed=False)");
         return NULL;
     }
+    /* packed: why a query's keys come as bytes. As ints they are 64 allocations of
+     * pymalloc's 48-byte class, the class the tree's nodes live in, freed again at once
+     * (Query.match_plain warm at 10^6 entries: 7.8 us with them, 5.3 us packed). */
+    int packed = nargs > 5 ? PyObject_IsTrue(args[5]) : 0;
+    if (packed < 0)
+        return NULL;
     Py_ssize_t bs = PyLong_AsSsize_t(args[1]);
     if (bs == -1 && PyErr_Occurred())
         return NULL;
@@ -1455,7 +1463,8 @@ block_keys(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "fewer seeds than blocks");
         goto fail;
     }
-    PyObject *out = PyList_New(n > start ? n - start : 0);
+    Py_ssize_t nk = n > start ? n - start : 0;
+    PyObject *out = packed ? PyBytes_FromStringAndSize(NULL, nk * 8) : PyList_New(nk);
     if (out == NULL)
         goto fail;
     const char *p = (const char *)view.buf;
@@ -1467,7 +1476,12 @@ block_keys(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(out);
             goto fail;
         }
-        PyObject *k = PyLong_FromUnsignedLongLong(XXH3_64bits_withSeed(p + (size_t)j * step, step, sj));
+        uint64_t key = XXH3_64bits_withSeed(p + (size_t)j * step, step, sj);
+        if (packed) {
+            put_le64((unsigned char *)PyBytes_AS_STRING(out) + 8 * (j - start), key);
+            continue;
+        }
+        PyObject *k = PyLong_FromUnsignedLongLong(key);
         if (k == NULL) {
             Py_DECREF(out);
             goto fail;
@@ -1481,52 +1495,6 @@ fail:
     PyBuffer_Release(&view);
     Py_XDECREF(seeds);
     return NULL;
-}
-
-PyDoc_STRVAR(block_keys_packed_doc,
-"block_keys_packed(buf, block_size, seed, limit) -> bytes\n\n"
-"block_keys(buf, block_size, seed, limit) as little-endian uint64 bytes, 8 per\n"
-"block (one seed): what walk reads without an int object per key.");
-
-/* Why: a query's 64 keys as ints are 64 allocations of pymalloc's 48-byte class,
- * the class the tree's nodes live in, freed again at once (Query.match_plain warm at
- * 10^6 entries: 7.8 us with them, 5.3 us packed). */
-static PyObject *
-block_keys_packed(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "block_keys_packed(buf, block_size, seed, limit)");
-        return NULL;
-    }
-    Py_ssize_t bs = PyLong_AsSsize_t(args[1]), limit = PyLong_AsSsize_t(args[3]);
-    if ((bs == -1 || limit == -1) && PyErr_Occurred())
-        return NULL;
-    if (bs <= 0) {
-        PyErr_SetString(PyExc_ValueError, "block_size must be positive");
-        return NULL;
-    }
-    uint64_t seed;
-    if (!PyLong_Check(args[2]) || as_u64(args[2], &seed) <= 0) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_OverflowError, "seed must be an int in [0, 2**64)");
-        return NULL;
-    }
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
-        return NULL;
-    size_t step = (size_t)bs * 4;
-    Py_ssize_t n = (Py_ssize_t)((size_t)view.len / step);
-    if (limit >= 0 && limit < n)
-        n = limit;
-    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 8);
-    if (out != NULL) {
-        unsigned char *o = (unsigned char *)PyBytes_AS_STRING(out);
-        const char *p = (const char *)view.buf;
-        for (Py_ssize_t j = 0; j < n; j++)
-            put_le64(o + 8 * j, XXH3_64bits_withSeed(p + (size_t)j * step, step, seed));
-    }
-    PyBuffer_Release(&view);
-    return out;
 }
 
 
@@ -3604,7 +3572,6 @@ static PyMethodDef core_methods[] = {
     {"answers", (PyCFunction)(void (*)(void))answers, METH_FASTCALL, answers_doc},
     {"dynamo_answer", (PyCFunction)(void (*)(void))dynamo_answer, METH_FASTCALL, dynamo_answer_doc},
     {"block_keys", (PyCFunction)(void (*)(void))block_keys, METH_FASTCALL, block_keys_doc},
-    {"block_keys_packed", (PyCFunction)(void (*)(void))block_keys_packed, METH_FASTCALL, block_keys_packed_doc},
     {"tokens_from_msgpack", (PyCFunction)tokens_from_msgpack, METH_O, tokens_from_msgpack_doc},
     {"split_tokens_json", (PyCFunction)split_tokens_json, METH_O, split_tokens_json_doc},
     {"insert_gpu", (PyCFunction)(void (*)(void))insert_gpu, METH_FASTCALL, insert_gpu_doc},

@@ -19,7 +19,7 @@ Conventions the C follows:
 
 from _typeshed import SupportsKeysAndGetItem
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, ClassVar, Final, TypeAlias, TypeVar, final, overload
+from typing import Any, ClassVar, Final, Literal, TypeAlias, TypeVar, final, overload
 
 from typing_extensions import Buffer
 
@@ -144,7 +144,7 @@ def walk(
     Returns ``(depth, stops, active, path)``: ``stops`` holds ``(depth, mask)``
     where workers' GPU runs end, ``active`` the workers whose run is unbroken,
     ``path`` the nodes passed (None unless ``keep_path``). A chunk may be bytes of
-    little-endian uint64 keys (:func:`block_keys_packed`). Read-only.
+    little-endian uint64 keys (:func:`block_keys` with ``packed``). Read-only.
     """
 
 
@@ -184,19 +184,34 @@ def answers(
     """
 
 
+@overload
 def block_keys(
     buf: Buffer,
     block_size: int,
     seed: int | Sequence[int],
     limit: int | None = -1,
     start: int = 0,
+    packed: Literal[False] = False,
     /,
 ) -> list[int]:
     """xxh3-64 of each full block ``start`` .. ``limit`` (-1 or None: all) of ``buf``.
 
     ``buf`` holds little-endian uint32 token ids; ``seed`` is one seed in
-    [0, 2**64) or one per block, indexed from block 0.
+    [0, 2**64) or one per block, indexed from block 0. With ``packed``, the keys
+    as little-endian uint64 bytes (8 per block): what :func:`walk` reads as a chunk.
     """
+
+
+@overload
+def block_keys(
+    buf: Buffer,
+    block_size: int,
+    seed: int | Sequence[int],
+    limit: int | None,
+    start: int,
+    packed: Literal[True],
+    /,
+) -> bytes: ...
 
 
 def insert_gpu_raw(
@@ -289,7 +304,3 @@ def load_map(wmap: U64Map, hashes: Buffer, idx: Buffer, nodes: list[Node], /) ->
     ``snapshot._py_load_map``.
     """
 
-
-def block_keys_packed(buf: Buffer, block_size: int, seed: int, limit: int, /) -> bytes:
-    """:func:`block_keys` of blocks 0 .. ``limit`` (-1: all) with one ``seed``, as
-    little-endian uint64 bytes (8 per block): what :func:`walk` reads as a chunk."""

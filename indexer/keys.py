@@ -164,10 +164,6 @@ def block_keys(
 _c_block_keys: Callable[[bytes | bytearray, int, int | Sequence[int], int, int], list[int]] | None = (
     _core.block_keys if _core is not None else None
 )
-# (buf, block_size, seed, limit): the same keys as little-endian uint64 bytes, for walk
-_c_block_keys_packed: Callable[[bytes | bytearray, int, int, int], bytes] | None = (
-    _core.block_keys_packed if _core is not None else None
-)
 
 
 def split_json_tokens(body: bytes) -> tuple[bytes, bytes] | None:

@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import chain
 from typing import TYPE_CHECKING, Any
 
+from ._compiled import core as _core
 from .keys import (
     KEY_SEED,
-    _c_block_keys_packed,
     block_keys,
     query_extra_keys,
     seeds_for_blocks,
@@ -227,7 +227,7 @@ class Query(Lifecycle):
             # Up to 64 blocks in one call (packed: no int per key); a longer prompt hashed
             # as the walk goes (_LazyKeys).
             chunks: Any = (
-                (_c_block_keys_packed(buf, bs, KEY_SEED, n) if _c_block_keys_packed is not None
+                (_core.block_keys(buf, bs, KEY_SEED, n, 0, True) if _core is not None
                  else block_keys(buf, bs, KEY_SEED, n),) if n <= 64 else _LazyKeys(buf, bs, KEY_SEED, n).chunks())
             return self._gpu_only(m, g, tree, chunks, ntok)
 
