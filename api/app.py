@@ -331,6 +331,13 @@ class Service:
                            "" if dp_rank is None else f" dp_rank {dp_rank}", via, CLIENT.get())
         return gone
 
+    async def clear_engine(self, engine_id: str) -> tuple[int, Any]:
+        n = self.index.clear_engine(engine_id)
+        if not n:
+            raise HTTPError(404, f"unknown engine {engine_id!r}")
+        audit_log.info("engine %s cleared by %s (%d workers)", engine_id, CLIENT.get(), n)
+        return 200, {"cleared": engine_id, "workers": n}
+
     async def remove_engine(self, engine_id: str) -> tuple[int, Any]:
         n = sum(c.dp_size for c in self.ingest.engines() if c.id == engine_id)
         if not await self.unsubscribe(engine_id, "api"):
@@ -612,6 +619,14 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
                 responses=_json_responses(None, errors=(404,)))
     async def delete_engine(engine_id: str) -> Response:
         return await _answer(svc.remove_engine(engine_id))
+
+    @app.post("/v1/engines/{engine_id}/clear", tags=["indexer"],
+              summary="The engine's prefix cache was reset (vLLM's /reset_prefix_cache): drop its GPU and CPU "
+              "residency now, not at the engine's next step",
+              responses={200: {"content": {JSON: {"schema": _ref("ClearedOut")}}},
+                         **_json_responses(None, errors=(404,))})
+    async def clear_engine(engine_id: Annotated[str, Path(max_length=256)]) -> Response:
+        return await _answer(svc.clear_engine(engine_id))
 
     @app.post("/v1/route/{request_id}/done", tags=["indexer"],
               summary="A routed request finished: release its in-flight load (404 when unknown or expired)",

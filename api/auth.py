@@ -1,7 +1,7 @@
 """The API token: which requests need it, and the check (constant time).
 
 With ``api_token`` set, every mutating route needs ``Authorization: Bearer <token>``:
-engine register and unregister (ours and Dynamo's) and the state snapshot. With
+engine register, unregister and clear (ours and Dynamo's) and the state snapshot. With
 ``auth_reads`` every other route needs it too, but the probes (a kubelet sends no
 token) and the live page's static files (``PAGE``: no data in them). A missing token
 is 401 (with ``WWW-Authenticate``), a wrong one 403.
@@ -18,7 +18,7 @@ from typing import Any
 log = logging.getLogger("kv_indexer.audit")
 
 # Routes that change what the index subscribes to or hand out its whole state, by
-# (method, path); and DELETE /v1/engines/{id} (is_mutating).
+# (method, path); and DELETE /v1/engines/{id} and POST /v1/engines/{id}/clear (is_mutating).
 MUTATING = frozenset({("POST", "/v1/engines"), ("POST", "/register"), ("POST", "/unregister"),
                       ("GET", "/v1/snapshot")})
 # Liveness and readiness probes: never behind the token.
@@ -36,7 +36,9 @@ CLIENT: ContextVar[str] = ContextVar("kvi_client", default="in-process")
 def is_mutating(method: str, path: str) -> bool:
     if (method, path) in MUTATING:
         return True
-    return method == "DELETE" and path.startswith("/v1/engines/")
+    if not path.startswith("/v1/engines/"):
+        return False
+    return method == "DELETE" or (method == "POST" and path.endswith("/clear"))
 
 
 def client_of(scope: MutableMapping[str, Any]) -> str:

@@ -38,6 +38,7 @@ _COUNTERS = {
     "orphans_adopted": "Stores that waited for their parent and were then applied.",
     "removed_unknown_blocks": "Removed blocks the index did not hold.",
     "cap_evicted_nodes": "Nodes evicted by the per-tree node cap.",
+    "clears_requested": "Engines' caches cleared by POST /v1/engines/{id}/clear (an operator's reset, told at once).",
     "stale_marked": "Times a worker was marked stale.",
     "stale_cleared": "Times a stale worker recovered.",
     "discovery_added": "Engines added by DNS discovery.",

@@ -258,6 +258,13 @@ class DoneOut(msgspec.Struct):
     released: bool
 
 
+class ClearedOut(msgspec.Struct):
+    """An engine's cache cleared in the index (POST /v1/engines/{engine_id}/clear)."""
+
+    cleared: str
+    workers: int
+
+
 class EngineOut(msgspec.Struct):
     """A registered engine's configuration (ranks ``dp_rank_start`` .. + ``dp_size`` - 1)."""
 
@@ -345,6 +352,7 @@ RESPONSE_TYPES: dict[str, Any] = {
     "MatchResponse": MatchResponse,
     "RouteResponse": RouteResponse,
     "DoneOut": DoneOut,
+    "ClearedOut": ClearedOut,
     "TokenizeResponse": TokenizeResponse,
     "ErrorResponse": ErrorResponse,
     "EngineOut": EngineOut,

@@ -157,7 +157,7 @@ class Indexer(ZmqTransport, Background, Queries):
         rcvhwm: int = 1_000_000,
         max_workers: int = 2048,
         reconnect_ivl_ms: int = 100,
-        reconnect_ivl_max_ms: int = 5_000,
+        reconnect_ivl_max_ms: int = 250,
         context: zmq.Context[Any] | None = None,
         endpoint_policy: EndpointPolicy | None = None,
         metrics_interval_s: float = 2.0,

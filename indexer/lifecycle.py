@@ -93,6 +93,22 @@ class Lifecycle(Removal):
             self._restart(w)
             return True
 
+    def clear_engine(self, engine: str) -> int:
+        """An operator's word that ``engine``'s prefix cache was reset (vLLM's
+        ``POST /reset_prefix_cache``): every DP rank's GPU and CPU residency goes now, as
+        the ``AllBlocksCleared`` would (R-APP-8) that vLLM publishes only with its next
+        engine step, which an idle engine never takes. Sequence positions are kept: that
+        event, when it comes, applies in order and clears nothing more. Returns how many
+        workers were cleared (0: the engine is unknown)."""
+        with self._lock:
+            ws = [w for (e, _), w in self._workers.items() if e == engine]
+            for w in ws:
+                self._on_clear(w)
+                w.refresh()
+            if ws:
+                self._count("clears_requested")
+            return len(ws)
+
     def register_worker(self, engine: str, dp_rank: int = 0, *, model: str = "default") -> None:
         """Make a worker known before its first event (so freshness can report it)."""
         with self._lock:

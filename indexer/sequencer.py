@@ -227,22 +227,24 @@ class Stream:
         self._prove(seq, payload, epoch)
 
     def reconnected(self) -> None:
-        """The live socket (re)connected: the next batch must prove that it comes from
-        the incarnation the index holds (R-STR-7). Also during a replay: its answer may
-        be the previous incarnation's. (A first batch at seq 0, or a late join's replay
-        from 0, needs no proof: it starts the history afresh.) A stream resumed from a
-        snapshot asks for the proof on its first connect (:meth:`resume`)."""
+        """The live socket (re)connected: prove at once, by a replay from the anchor,
+        that the engine is the incarnation the index holds (R-STR-7), rather than at its
+        next batch. A restarted vLLM engine publishes nothing until its first step, so
+        an idle one would otherwise keep its old incarnation's cache in the index for as
+        long as no request reaches it, and the router would send requests there on it.
+        During a replay the proof waits for its end (its answer may be the previous
+        incarnation's; :meth:`_finish` starts the proof). With nothing applied since the
+        last reset there is nothing to protect, and no proof. A stream resumed from a
+        snapshot proves on its first connect (:meth:`resume`)."""
         if self.resumed and not self.replaying:
             self.resumed = False
-            self.epoch += 1
-            assert self.anchor_seq is not None  # resume() set it
-            self._replay(self.anchor_seq, None)
-            return
-        if self.last is not None or self.replaying:
+        elif self.last is not None or self.replaying:
             self.reconnects += 1
             self.sink.count(self, "reconnects")
         self.unproven = True
         self.epoch += 1
+        if not self.replaying and self.anchor_seq is not None:
+            self._replay(self.anchor_seq, None)
 
     def resync(self) -> None:
         """Drop everything and replay from seq 0 (recovers a stale worker whose engine
@@ -433,3 +435,6 @@ class Stream:
                 self.sink.count(self, "batches_duplicate")
                 continue
             self.live(seq, payload, epoch)  # once replaying again, the rest re-buffers
+        if self.unproven and not self.replaying and self.anchor_seq is not None:
+            # A reconnect came during the replay, and no batch since asked for the proof.
+            self._replay(self.anchor_seq, None)

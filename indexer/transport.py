@@ -348,7 +348,12 @@ class ZmqTransport:
             sub.connected = event == zmq.EVENT_CONNECTED
             if sub.connected:
                 sub.connects += 1
-                sub.reconnected()  # R-STR-7: what follows must prove its continuity
+                if sub.connects > 1 and not sub.replaying and sub.dealer is not None:
+                    # The proof below goes over the DEALER, whose own reconnect may be
+                    # up to RECONNECT_IVL_MAX away from the SUB's: a new one connects now.
+                    self._close_dealer(sub)
+                    self._open_dealer(sub)
+                sub.reconnected()  # R-STR-7: prove continuity now (a replay from the anchor)
             self.link[(sub.engine, sub.rank)] = (sub.connected, sub.connects > 0)
 
     def _drain_replay(self, sub: Sub, sock: zmq.Socket[bytes]) -> None:

@@ -17,6 +17,7 @@ import zmq
 
 from evkit import ehashes, removed
 from indexer.engines import EngineConfig
+from indexer.ingest import Indexer
 from indexer.producer.publisher import VllmPublisher
 from seqsim import Model
 from svc import wait_until
@@ -91,6 +92,37 @@ def test_R_STR_7_issue_scenario_restart_behind_a_gap_drops_the_old_prompts(rig, 
     assert [total(ix, P[i], "e1") for i in range(3)] == [0, 0, 0], w
     assert total(ix, P[6], "e1") == 4 and w["restarts"] == 1 and not w["stale"], w
     assert_same_index(ix, reference([eng.rec]), P)
+
+
+def test_R_STR_7_an_idle_engine_restarted_on_its_ports_is_dropped_before_it_publishes(rig):
+    """A real vLLM engine killed with -9 and started again publishes nothing until its
+    first request: the proof must run on the reconnect alone. The engine is down long
+    enough for the SUB's reconnect backoff to reach its cap (the library's default),
+    comes back on the same ports and stays silent: P0-P2 go, the worker is fresh and
+    holds nothing, within a bound of the new sockets binding (the cap plus the proof)."""
+    eng = Engine(rig)
+    ix = Indexer([eng.config], replay_timeout_s=30.0)
+    rig.ixs.append(ix)
+    ix.start()
+    ready(ix)
+    for i in range(3):
+        eng.rec.send(gpu(P[i]))
+    wait_until(lambda: wi(ix, "e1")["last_seq"] == 2, msg="old incarnation applied")
+    eng.rec.pub.close()
+    rig.pubs.remove(eng.rec.pub)
+    wait_until(lambda: not wi(ix, "e1")["connected"], msg="disconnect seen")
+    time.sleep(1.5)  # an outage: the backoff grows to its cap meanwhile
+    eng.rec.pub = eng._bind()
+    up = time.monotonic()
+    wait_until(lambda: all(total(ix, P[i], "e1") == 0 for i in range(3)), timeout=5,
+               msg=lambda: f"old prompts dropped with no batch published: {wi(ix, 'e1')}")
+    took = time.monotonic() - up
+    w = wi(ix, "e1")
+    assert w["restarts"] == 1 and not w["stale"] and ix.index.stats()["counters"]["continuity_restart"] == 1, w
+    assert took < 2.0, took  # the reconnect cap (250 ms) and one replay, with room for a loaded machine
+    eng.rec.log = []
+    eng.rec.send(gpu(P[6]))  # its first step: seq 0
+    wait_until(lambda: total(ix, P[6], "e1") == 4, msg=lambda: f"new incarnation applied: {wi(ix, 'e1')}")
 
 
 @pytest.mark.parametrize("lost", [1, 3, 5])

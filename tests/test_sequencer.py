@@ -159,15 +159,17 @@ def test_R_STR_7_restart_behind_a_reconnect_is_found_whatever_was_lost(lost):
             h.stream.replay_end()
         answered += 1
         assert answered < 5
+    # The reconnect asks for the proof from the anchor (2) at once, before any batch.
     if lost >= 3:
-        # seq >= last + 1: only the proof replay from the anchor (2) can tell; it shows
-        # another ts at 2 (or nothing from 2 on), and the rebuild replays from 0.
+        # seq >= last + 1: only the proof replay can tell; it shows another ts at 2 (or
+        # nothing from 2 on), and the rebuild replays from 0.
         assert h.requests == [2, -1, 0] and h.counter("continuity_restart") == 1
     elif lost:
-        # seq 1 or 2 with a newer ts: a proven restart (R-STR-5), then a late join from 0.
-        assert h.requests == [0] and h.counter("continuity_restart") == 0
+        # seq 1 or 2 with a newer ts, arriving before the proof's answer: a restart
+        # plain to see (R-STR-5); the proof is given up, then a late join from 0.
+        assert h.requests == [2, -1, 0] and h.counter("continuity_restart") == 0
     else:
-        assert h.requests == []  # seq 0 with a newer ts: the restart is plain to see
+        assert h.requests == [2, -1]  # seq 0 with a newer ts: the proof is given up
     got = h.held()
     assert not any(i in got for i in (0, 1, 2)), got
     assert {3 + s % 5 for s, _ in new} <= set(got)
@@ -188,6 +190,52 @@ def test_R_STR_7_reconnect_without_restart_is_proven_and_keeps_everything():
     assert h.held() == {0: 3, 1: 3, 2: 3, 3: 3}
     assert h.counter("continuity_proven") == 1 and h.counter("restarts") == 0
     assert not h.worker()["stale"]
+
+
+def test_R_STR_7_reconnect_proves_at_once_and_an_idle_new_incarnation_is_dropped():
+    """A real vLLM engine killed and started again on the same ports publishes nothing
+    until its first step, so no batch may be needed to start the proof: the reconnect
+    itself asks for a replay from the anchor. The new incarnation's ring is empty (the
+    end marker alone): a restart, proven, and P0-P2 go before any batch arrives."""
+    h = Harness()
+    old_engine(h)
+    h.stream.reconnected()
+    assert h.requests == [2] and h.stream.replaying  # no batch arrived: the proof is asked anyway
+    assert h.held() == {0: 3, 1: 3, 2: 3}  # held until the proof answers, for ms
+    h.stream.replay_end()  # the restarted engine holds no batch at all
+    assert h.held() == {} and h.counter("continuity_restart") == 1
+    assert h.requests == [2, -1, 0]  # the rebuild from 0
+    h.stream.replay_end()  # still nothing: the worker is empty and fresh, awaiting seq 0
+    w = h.worker()
+    assert not w["stale"] and w["restarts"] == 1 and not h.stream.replaying, w
+    h.stream.live(0, batch(5, 300.0))
+    assert h.held() == {5: 3}
+
+
+def test_R_STR_7_reconnect_during_a_replay_proves_when_the_replay_ends():
+    """The reconnect came while a gap's replay was in flight; nothing arrives after it.
+    The proof is asked once the replay ends, not at the next batch, which an idle
+    restarted engine never sends."""
+    h = Harness()
+    log = old_engine(h, 2)
+    more = [(s, batch(s, 100.0 + s)) for s in range(2, 5)]
+    h.stream.live(*more[-1])  # seq 4: a gap, replay from the anchor 1
+    assert h.requests == [1]
+    h.stream.reconnected()  # the engine restarts before the answer is read
+    serve(h, log[1:] + more)  # the old engine's answer (sent before it died)
+    assert h.requests == [1, 4] and h.stream.replaying  # the proof from the new anchor
+    h.stream.replay_end()  # the new incarnation has published nothing
+    assert h.held() == {} and h.counter("continuity_restart") == 1, h.held()
+
+
+def test_R_STR_7_reconnect_with_no_replay_endpoint_is_stale_at_once():
+    """No replay endpoint, no proof: the worker is stale as soon as the live socket
+    reconnects, not only once the engine's next batch arrives."""
+    h = Harness(replay=False)
+    old_engine(h)
+    h.stream.reconnected()
+    w = h.worker()
+    assert w["stale"] and "continuity after seq 2 unproven" in w["stale_reason"], w
 
 
 def test_R_STR_7_gap_with_same_ts_at_the_anchor_applies_what_was_missing():
