@@ -125,6 +125,11 @@ class Indexer(ZmqTransport, Background, Queries):
         abandoned (stale) rather than growing memory.
     rcvhwm:
         SUB receive high-water mark in messages (vLLM's own PUB default is 100,000).
+    reconnect_ivl_ms, reconnect_ivl_max_ms:
+        ZMQ's reconnect backoff for the live and replay sockets (first interval, cap). The
+        cap bounds how late a new engine incarnation on the same ports is seen, and so how
+        long its predecessor's blocks can stay claimed (the reconnect proves continuity at
+        once, R-STR-7); a refused connect to a down engine every 250 ms costs next to nothing.
     max_workers:
         Workers (engine DP ranks) subscribed at once, at most; each holds up to four
         sockets, so this bounds sockets and file descriptors (R-BAD-3).

