@@ -277,7 +277,8 @@ class Query(Lifecycle):
         tnew = tuple.__new__
         wm = WorkerMatch
         r: _Answer | None  # one worker's answer in one group (both branches below)
-        if len(per_group) == 1 and len(defaults) == 1 and defaults[0] in per_group:
+        windows = [(g, trees[g]) for g in m.windows if g in trees and trees[g].block_size == head_bs]
+        if len(per_group) == 1 and len(defaults) == 1 and defaults[0] in per_group and not windows:
             # The common shape: one attention group. Headline = that group.
             (g, got), = per_group.items()
             gname = str(g)
@@ -301,6 +302,8 @@ class Query(Lifecycle):
             best = out[0] if out and out[0].total_blocks > 0 else None
             return tuple.__new__(MatchResult, (m.name, head_bs, qblocks, out, best, ()))
         head = self._headline(m, defaults, per_group, head_bs)
+        if windows and head:
+            head = self._window_capped(m, head, windows, keys_for, ntok)
         for wid in set().union(*per_group.values()):
             w = workers.get(wid)
             if w is None:
@@ -356,6 +359,34 @@ class Query(Lifecycle):
             wid: (tuple((t, int(b)) for t, b in tiers.items()), int(total), weighted)
             for wid, (tiers, total, weighted) in head.items()
         }
+
+    def _window_capped(self, m: _Model, head: dict[int, _Answer], windows: list[tuple[int, Tree]],
+                       keys_for: _KeysFor, ntok: int) -> dict[int, _Answer]:
+        """R-APP-10 for a hybrid model: each headline cut to what vLLM's hit rule lets a
+        sliding-window group reuse of this prompt (R-APP-12).
+
+        vLLM (``HybridKVCacheCoordinator``) takes the full-attention hit within
+        ``len - 1`` tokens, then scans each sliding-window group from there leftwards
+        for ``ceil((window - 1) / block_size)`` cached blocks in a row: the hit ends
+        with the first such run, or, with none, is the run of cached blocks from the
+        start. A full-attention prefix is a prefix, so one pass reaches its fixed point.
+        """
+        cap = max(ntok - 1, 0) // windows[0][1].block_size
+        workers = m.workers
+        for g, tree in windows:
+            _, _, _, path = walk(tree.root, keys_for(tree.block_size), True)
+            need = max(-(-(m.windows[g] - 1) // tree.block_size), 1)
+            out: dict[int, _Answer] = {}
+            for wid, (items, total, weighted) in head.items():
+                w = workers.get(wid)
+                hit = total if w is None else _window_hit(path, w.bit, min(total, cap), need)  # type: ignore[arg-type]
+                if hit < total:
+                    items = tuple((t, min(b, hit)) for t, b in items)
+                    weighted = weighted * hit / total
+                    total = hit
+                out[wid] = (items, total, weighted)
+            head = out
+        return head
 
     def _match_path(self, m: _Model, tree: Tree, key_chunks: Iterable[Sequence[int]]) -> dict[int, _Answer] | None:
         """Walk one group's tree along the keys and answer per worker (read-only).
@@ -496,3 +527,18 @@ class _LazyKeys:
             yield c
 
 
+
+
+def _window_hit(path: Sequence[Node], bit: int, max_blocks: int, need: int) -> int:
+    """Blocks a sliding-window group lets vLLM reuse (``SlidingWindowManager.
+    find_longest_cache_hit``): from ``max_blocks`` leftwards, the end of the first run
+    of ``need`` blocks ``bit`` holds on GPU; without one, the run from the start."""
+    run = 0
+    for i in range(min(max_blocks, len(path)) - 1, -1, -1):
+        if path[i].gpu & bit:
+            run += 1
+            if run >= need:
+                return i + run
+        else:
+            run = 0
+    return run

@@ -107,12 +107,19 @@ class _Worker:
 
 
 class _Model:
-    __slots__ = ("name", "trees", "kinds", "workers", "rows", "ranked", "_defaults", "tiered")
+    __slots__ = ("name", "trees", "kinds", "windows", "window_groups", "workers", "rows", "ranked", "_defaults",
+                 "tiered")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.trees: dict[int, Tree] = {}
         self.kinds: dict[int, str | None] = {}
+        # group -> sliding window in tokens, for the sliding-window groups whose stores
+        # were placed (R-APP-12): their hit rule caps the headline (R-APP-10).
+        self.windows: dict[int, int] = {}
+        # The groups whose kind is a sliding window (set_kind): their stores never take
+        # the raw insert (they leave out null blocks), and may wait for their batch's end.
+        self.window_groups: set[int] = set()
         self.workers: dict[int, _Worker] = {}
         # wid -> (engine, dp_rank, freshness, position) or None: what a query's answers
         # need of each worker, in one list the compiled answers() reads by index.
@@ -135,6 +142,10 @@ class _Model:
     def set_kind(self, group: int, kind: str | None) -> None:
         self.kinds[group] = kind
         self._defaults = None
+        if kind is not None and kind.startswith(WINDOW_KIND):
+            self.window_groups.add(group)
+        else:
+            self.window_groups.discard(group)
 
     def default_groups(self) -> list[int]:
         """R-APP-10 default groups (all groups when none qualifies); cached."""
@@ -146,6 +157,9 @@ class _Model:
 
 
 _EVENT_NAMES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+
+# kv_cache_spec_kind of a sliding-window group (vLLM: "sliding_window"; R-APP-12).
+WINDOW_KIND = "sliding_window"
 
 
 def _engine_rank(w: _Worker) -> tuple[str, int]:
@@ -221,6 +235,10 @@ class IndexState:
         # (t, wg, parent_hash, entry) in arrival order
         self._orphan_queue: deque[tuple[float, _WG, Hash, tuple[StoredEvent, int]]] = deque()
         self._orphans = 0
+        # Sliding-window events held to the end of their batch (R-APP-12), and whether
+        # the batch's first pass runs (a store deferred once is placed as it can be).
+        self._later: list[Any] = []
+        self._first_pass = True
         self._clear()
         self._counters: dict[str, int] = {}
         # {event type: {outcome: n}}; index 3 collects what the decoder ignored.

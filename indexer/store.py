@@ -13,15 +13,53 @@ import msgspec
 from .keys import KEY_SEED, block_keys, seeds_for_blocks
 from .lifecycle import Lifecycle
 from .sequencer import DUPLICATE, GAP, RESTART, classify
-from .state import _WG, GPU, _Worker
+from .state import _WG, GPU, WINDOW_KIND, _Worker
 from .tree import DEAD, Node, Tree, dup_add, insert_gpu, insert_gpu_raw, walk
-from .wire import REMOVED, STORED, DecodeError, decode_batch, decode_event, raw_array_len, scan_gpu_batch, token_bytes
+from .wire import (
+    CLEARED,
+    REMOVED,
+    STORED,
+    DecodeError,
+    decode_batch,
+    decode_event,
+    raw_array_len,
+    scan_gpu_batch,
+    token_bytes,
+)
 
 if TYPE_CHECKING:
     from .vllm_events import Hash
     from .wire import RemovedEvent, StoredEvent
 
 __all__ = ["Store"]
+
+
+# What _on_store returns for a store held to the end of its batch (not counted yet).
+DEFERRED = "deferred"
+
+
+def _mirror(tree: Tree, twin: Node) -> Node:
+    """The node of ``tree`` on the same key path as ``twin`` (a node of another group's
+    tree), made with its missing ancestors: they hold nothing, and go when their last
+    held descendant does (R-APP-9)."""
+    keys = []
+    n = twin
+    while n.parent is not None:
+        keys.append(n.key)
+        n = n.parent
+    node = tree.root
+    for k in reversed(keys):
+        c = tree.child(node, k)
+        node = c if c is not None else tree.add_child(node, k)
+    return node
+
+
+def _note_window(m: Any, group: int, ev: StoredEvent) -> None:
+    """Remember a sliding-window group's window: its hit rule caps the headline (R-APP-10)."""
+    win = ev.kv_cache_spec_sliding_window
+    kind = ev.kv_cache_spec_kind
+    if win.__class__ is int and win > 0 and kind.__class__ is str and kind.startswith(WINDOW_KIND):
+        m.windows[group] = win
 
 
 class Store(Lifecycle):
@@ -71,14 +109,29 @@ class Store(Lifecycle):
             # Expire first: an orphan past its age bound is not adopted by this batch.
             self._expire_orphans()
         ev_counts = self._events
+        # A sliding-window store whose full-attention twins are not there yet is held to
+        # the end of the batch (R-APP-12: vLLM lists that group's store of a step first),
+        # and so is every later event of a window group, to keep their order.
+        later = self._later
+        if later:
+            later.clear()  # left by a batch an exception cut short: never another batch's
         if batch is None:
             c = ev_counts[STORED]
+            on_store = self._on_scanned_store
             for st in stores:
-                outcome = self._on_scanned_store(w, st, payload)
+                if later and (st[4] or 0) in self._models[w.model].window_groups:
+                    later.append(decode_event(payload[st[6]:st[7]]))
+                    continue
+                outcome = on_store(w, st, payload)
                 c[outcome] = c.get(outcome, 0) + 1
+            if later:
+                c.pop(DEFERRED, None)  # counted when applied, at the end
         else:
             for ev in batch.events:
                 kind = ev.kind
+                if later and kind != CLEARED and (ev.group_idx or 0) in self._models[w.model].window_groups:
+                    later.append(ev)
+                    continue
                 if kind == STORED:
                     outcome = self._on_store(w, ev)
                 elif kind == REMOVED:
@@ -87,6 +140,10 @@ class Store(Lifecycle):
                     outcome = self._on_clear(w)
                 c = ev_counts[kind]
                 c[outcome] = c.get(outcome, 0) + 1
+            if later:
+                ev_counts[STORED].pop(DEFERRED, None)  # counted when applied, at the end
+        if later:
+            self._apply_later(w)
         w.last_ts = ts
         w.last_apply = self._clock()
         w.refresh()
@@ -167,6 +224,8 @@ class Store(Lifecycle):
             return "bad_group"
         group = 0 if g is None else g
         m = self._models[w.model]
+        if m.window_groups and group in m.window_groups:
+            return self._on_store(w, decode_event(payload[start:end]))  # R-APP-12: never the raw insert
         tree = m.trees.get(group)
         wg = w.groups.get(group)
         parent: Node | None = None
@@ -210,7 +269,11 @@ class Store(Lifecycle):
         if bs <= 0 or ntok == 0:
             return self._on_placeholder(w, ev, tid, group)
         if n == 0 or ntok != n * bs:
-            return "shape_mismatch"  # R-APP-1: SWA/Mamba stores skip null blocks
+            kind = ev.kv_cache_spec_kind
+            if (tid == GPU and n and ntok > n * bs and ntok % bs == 0
+                    and kind.__class__ is str and kind.startswith(WINDOW_KIND)):
+                return self._on_window_store(w, ev, group)  # R-APP-12
+            return "shape_mismatch"  # R-APP-1 (a Mamba store skipping null blocks, say)
         m = self._models[w.model]
         tree = m.trees.get(group)
         if tree is None:
@@ -225,6 +288,8 @@ class Store(Lifecycle):
             return "block_size_mismatch"  # R-APP-7
         elif m.kinds.get(group) is None and ev.kv_cache_spec_kind is not None:
             m.set_kind(group, ev.kv_cache_spec_kind)
+        if ev.kv_cache_spec_sliding_window is not None:
+            _note_window(m, group, ev)
         wg = w.groups.get(group)
         if wg is None:
             wg = w.groups[group] = _WG()
@@ -307,6 +372,80 @@ class Store(Lifecycle):
             self._models[w.model].tiered = True
         wg.res[tid] += new
         return "applied" if new == len(hashes) else "applied_with_duplicates"
+
+    def _apply_later(self, w: _Worker) -> None:
+        """Apply the window events held to the end of the batch, in their order."""
+        items = self._later[:]
+        self._later.clear()
+        self._first_pass = False
+        try:
+            ev_counts = self._events
+            for ev in items:
+                outcome = self._on_store(w, ev) if ev.kind == STORED else self._on_remove(w, ev)
+                c = ev_counts[ev.kind]
+                c[outcome] = c.get(outcome, 0) + 1
+        finally:
+            self._first_pass = True
+
+    def _on_window_store(self, w: _Worker, ev: StoredEvent, group: int) -> str:
+        """R-APP-12: a sliding-window group's GPU store that leaves out its null blocks.
+
+        vLLM lists only the blocks inside the window (``block_hashes``, the tail of the
+        range) with the token ids of the whole range, and the parent hash of a block
+        this group may never have held. Its block hashes are the full-attention group's
+        for the same blocks (vLLM hashes tokens, not groups), so each block is placed
+        on the path of its full-attention twin, mirrored into this group's tree; a block
+        whose twin the worker does not map (evicted already) is left out."""
+        m = self._models[w.model]
+        bs = ev.block_size
+        tree = m.trees.get(group)
+        if tree is not None and tree.block_size != bs:
+            w.dropped["block_size_mismatch"] = w.dropped.get("block_size_mismatch", 0) + 1
+            return "block_size_mismatch"  # R-APP-7
+        if group not in m.window_groups:
+            m.window_groups.add(group)  # its kind is set with its tree, once a block is placed
+        twins = [w.groups[g].map for g in m.default_groups() if g != group and g in w.groups]
+        if self._first_pass and not all(any(t.get(h) is not None for t in twins) for h in ev.block_hashes):
+            self._later.append(ev)  # its twins may come later in this batch
+            return DEFERRED
+        wg = w.groups.get(group)
+        wmap: Any = wg.map if wg is not None else {}
+        bit = w.bit
+        placed = new = 0
+        for h in ev.block_hashes:
+            node = wmap.get(h)
+            if node is None or node.parent is DEAD:
+                node = None
+                for t in twins:
+                    twin = t.get(h)
+                    if twin is not None and twin.parent is not DEAD:
+                        if tree is None:  # the group's first placed block makes its tree
+                            tree = m.trees[group] = Tree(group, bs, self.max_nodes is not None)
+                            m.set_kind(group, ev.kv_cache_spec_kind)
+                        if wg is None:
+                            wg = w.groups[group] = _WG()
+                            wmap = wg.map
+                        node = _mirror(tree, twin)
+                        break
+                if node is None:
+                    continue
+                wmap[h] = node
+            assert tree is not None and wg is not None  # a mapped or mirrored node has both
+            placed += 1
+            if tree.stamps is not None:
+                tree.touch(node)
+            if node.gpu & bit:
+                dup_add(node, (w.wid << 5) | GPU)
+            else:
+                node.gpu |= bit
+                new += 1
+        if placed == 0 or wg is None:
+            return "window_unplaced"
+        wg.res[GPU] += new
+        _note_window(m, group, ev)
+        if placed < len(ev.block_hashes):
+            return "window_partial"
+        return "applied" if new == placed else "applied_with_duplicates"
 
     def _rollback(self, tree: Tree, wg: _WG, w: _Worker, tid: int, hashes: list[Hash], upto: int) -> None:
         # Tokens that do not decode or exceed uint32 (R-BAD-3): undo the blocks of

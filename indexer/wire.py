@@ -164,6 +164,7 @@ class StoredEvent(Protocol):
     extra_keys: list[Any] | None
     group_idx: int | None
     kv_cache_spec_kind: str | None
+    kv_cache_spec_sliding_window: int | None
     locality: str | None
     ownership: str | None
 

@@ -24,7 +24,7 @@ from indexer.producer.events import Cleared, Stored, encode_batch
 
 from evkit import (
     ENGINE, FA, GOLDEN_DIRS, WIRE, FakeClock, apply, chunks, counter, ehashes, ev, golden_events,
-    gpu_evictions, placeholder, removed, store, tiers, toks, winfo, wm,
+    gpu_evictions, placeholder, removed, store, tiers, toks, total, winfo, wm,
 )
 
 
@@ -262,7 +262,9 @@ def test_R_APP_10_offload_sliding_window_group_not_in_headline(ver):
     # The connector's SWA placeholder.
     swa_ph = placeholder([hs[3]], group=1, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=8)
     apply(idx, [swa_skip, swa_ph], ver)
-    assert ev(idx, "BlockStored", "shape_mismatch") == 1
+    # R-APP-12: its blocks are placed by their full-attention twins, which this worker
+    # does not hold (group 0 stored 2 blocks): nothing placed, no tree made.
+    assert ev(idx, "BlockStored", "window_unplaced") == 1 and ev(idx, "BlockStored", "shape_mismatch") == 0
     assert ev(idx, "BlockStored", "placeholder_ignored") == 1
     assert idx.stats()["nodes"] == 2
     assert set(idx.stats()["models"]["default"]["groups"]) == {"0"}
@@ -890,15 +892,86 @@ def test_R_APP_9_removal_after_cap_eviction_is_harmless(ver):
 def test_R_APP_10_golden_hybrid_headline_over_default_groups(vdir):
     idx = PrefixIndex()
     assert idx.apply(ENGINE, golden.payload(vdir, "hybrid_groups")) == "applied"
-    # group 1 (sliding window, null blocks skipped) does not fit the shape; group 2
-    # (mamba) is a placeholder for a hash group 2 never stored.
-    assert ev(idx, "BlockStored", "shape_mismatch") == 1
+    # Group 1 (sliding window 32, block size 16, null blocks skipped: blocks 2-3 of 4)
+    # is placed by its full-attention twins (R-APP-12): 2 held nodes, 2 mirrored
+    # ancestors; group 2 (mamba) is a placeholder for a hash group 2 never stored.
+    assert ev(idx, "BlockStored", "applied") == 2 and ev(idx, "BlockStored", "shape_mismatch") == 0
     assert ev(idx, "BlockStored", "placeholder_ignored") == 1
-    assert idx.stats()["nodes"] == 4
+    assert idx.stats()["nodes"] == 8
     t = list(range(30000, 30064))
-    w = wm(idx, t)
+    # A longer prompt: vLLM takes the full-attention hit (4 blocks) and the window
+    # group holds the 2 blocks it needs (ceil(31 / 16)) ending there: 4 blocks.
+    w = wm(idx, t + [1])
     assert w.tiers == {"GPU": 4} and w.total_blocks == 4 and w.total_tokens == 64
     assert set(w.groups) == {"0"}
+    # The 64 tokens alone: vLLM reuses at most len - 1 tokens (3 blocks), and the window
+    # ending at block 3 needs blocks 1-2, of which the group holds only 2; no run of 2
+    # from the start either: nothing is reused, and the headline says so.
+    w = wm(idx, t)
+    assert w.total_blocks == 0 and w.groups["0"] == {"GPU": 4, "total_blocks": 4}
+
+
+def _vllm_window_hit(held: list[bool], fa_blocks: int, ntok: int, bs: int, window: int) -> int:
+    """vLLM's hybrid hit, stated the other way round from the index's scan: the
+    largest L within the full-attention hit and len - 1 tokens such that the window
+    group holds the ``ceil((window - 1) / bs)`` blocks ending at L; with none, the run
+    of held blocks from the start."""
+    need = -(-(window - 1) // bs)
+    mx = min(fa_blocks, (ntok - 1) // bs)
+    held = held + [False] * max(0, mx - len(held))
+    ends = [L for L in range(need, mx + 1) if all(held[L - need:L])]
+    if ends:
+        return max(ends)
+    run = 0
+    while run < mx and held[run]:
+        run += 1
+    return run
+
+
+def test_R_APP_12_a_window_group_as_vllm_sends_it_caps_the_hybrid_headline():
+    """vLLM's hybrid engines: group 0 sliding window (8 tokens, block size 4), group 1
+    full attention; each step lists the window group's store first, leaving out null
+    blocks (only the blocks inside the window, with the token ids of the whole range
+    and the parent of a block the group never held). The headline is what vLLM's hit
+    rule reuses of each prompt, checked against a reference stated another way."""
+    bs, win = 4, 8
+    idx = PrefixIndex()
+    b = toks(1, 10, bs)  # 10 blocks: prompts of 6 and 9 blocks, and one token more
+    hs = ehashes(b, bs)
+
+    def window_store(a, c, keep):  # blocks [a, c) computed, the last `keep` held
+        return Stored(block_hashes=hs[c - keep:c], parent_block_hash=hs[a - 1] if a else None,
+                      token_ids=b[a * bs:c * bs], block_size=bs, group_idx=0,
+                      kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=win)
+
+    apply(idx, [window_store(0, 6, 2), store(b, bs, 0, 6, group=1)])
+    assert ev(idx, "BlockStored", "applied") == 2
+    held = [False] * 4 + [True] * 2
+
+    def check(ntok, fa, held):
+        want = _vllm_window_hit(held, fa, ntok, bs, win)
+        assert total(idx, b[:ntok]) == want, (ntok, want)
+        return want
+
+    assert check(25, 6, held) == 6  # the window's 2 blocks end the full-attention hit
+    assert check(24, 6, held) == 0  # len - 1 tokens: 5 blocks, and block 3 is not held
+    assert check(17, 4, held) == 0  # a shorter prompt: its window blocks are not held
+    # The next turn: blocks 6-8 computed, 7-8 inside the window, the parent block 5.
+    apply(idx, [window_store(6, 9, 2), store(b, bs, 6, 9, group=1)], ts=1767225601.0)
+    held = [False] * 4 + [True] * 2 + [False] + [True] * 2
+    assert check(37, 9, held) == 9
+    assert check(25, 6, held) == 6
+    # The window group evicts blocks 7-8: the full-attention group still holds all 9,
+    # but vLLM would reuse 6 (blocks 4-5 end a window): never the 9 it would not.
+    apply(idx, gpu_evictions(hs[7:9], group=0), ts=1767225602.0)
+    held[7] = held[8] = False
+    assert check(37, 9, held) == 6
+    w = wm(idx, b[:37])
+    assert w.groups["1"] == {"GPU": 9, "total_blocks": 9} and w.tiers == {"GPU": 6}
+    # Its removals free the mirrored path as they go (R-APP-9): only what is held stays.
+    apply(idx, gpu_evictions(hs[4:6], group=0), ts=1767225603.0)
+    assert idx.stats()["models"]["default"]["groups"]["0"]["nodes"] == 0
+    assert check(37, 9, [False] * 9) == 0
 
 
 @pytest.mark.parametrize("ver", WIRE)

@@ -155,7 +155,10 @@ def held_blocks(srv: Server, model: str, body: dict[str, Any], engine: str) -> i
     assert st == 200, m
     for w in m["workers"]:
         if w["engine"] == engine:
-            return int(w["total_blocks"])
+            # The deepest group's own prefix: a hybrid model's headline is what vLLM
+            # would reuse of this very prompt (never all of it), its full-attention
+            # group holds every block stored.
+            return max([int(w["total_blocks"])] + [int(g["total_blocks"]) for g in w["groups"].values()])
     return 0
 
 
