@@ -405,7 +405,8 @@ class Store(Lifecycle):
         if group not in m.window_groups:
             m.window_groups.add(group)  # its kind is set with its tree, once a block is placed
         twins = [w.groups[g].map for g in m.default_groups() if g != group and g in w.groups]
-        if self._first_pass and not all(any(t.get(h) is not None for t in twins) for h in ev.block_hashes):
+        if self._first_pass and not all(any((n := t.get(h)) is not None and n.parent is not DEAD for t in twins)
+                                        for h in ev.block_hashes):
             self._later.append(ev)  # its twins may come later in this batch
             return DEFERRED
         wg = w.groups.get(group)
@@ -439,10 +440,12 @@ class Store(Lifecycle):
             else:
                 node.gpu |= bit
                 new += 1
-        if placed == 0 or wg is None:
+        if placed == 0 or wg is None or tree is None:
             return "window_unplaced"
         wg.res[GPU] += new
         _note_window(m, group, ev)
+        if tree.stamps is not None and tree.nodes > self.max_nodes:  # type: ignore[operator]  # capped: an int
+            self._cap(m, tree)  # mirrored ancestors count too (R-APP-9)
         if placed < len(ev.block_hashes):
             return "window_partial"
         return "applied" if new == placed else "applied_with_duplicates"

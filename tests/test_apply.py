@@ -974,6 +974,22 @@ def test_R_APP_12_a_window_group_as_vllm_sends_it_caps_the_hybrid_headline():
     assert check(37, 9, [False] * 9) == 0
 
 
+def test_R_APP_9_R_APP_12_the_node_cap_bounds_a_window_group_and_its_mirrored_ancestors():
+    """A window store mirrors its blocks' ancestors into the window group's tree: those
+    count against the per-tree node cap like any node, and the cap evicts there too."""
+    bs = 4
+    idx = PrefixIndex(max_nodes=6)
+    for i in range(3):
+        b = toks(1000 * (i + 1), 6, bs)
+        hs = ehashes(b, bs)
+        sw = Stored(block_hashes=hs[4:6], parent_block_hash=None, token_ids=b, block_size=bs, group_idx=0,
+                    kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=8)
+        apply(idx, [sw, store(b, bs, 0, 6, group=1)], ts=1767225600.0 + i)
+        groups = idx.stats()["models"]["default"]["groups"]
+        assert groups["0"]["nodes"] <= 6 and groups["1"]["nodes"] <= 6, groups
+    assert counter(idx, "cap_evicted_nodes") > 0
+
+
 @pytest.mark.parametrize("ver", WIRE)
 def test_R_APP_10_two_full_attention_groups_headline_is_minimum(ver):
     idx = PrefixIndex()
