@@ -93,9 +93,7 @@ class _Sink:
 
     def cancel_replay(self, sub: _Sub) -> None:
         # A new DEALER, so late answers to this replay cannot reach the next one.
-        if sub.dealer is not None:
-            self.ingest._close_dealer(sub)
-            self.ingest._open_dealer(sub)
+        self.ingest._reopen_dealer(sub)
         self.ingest._replay_off(sub)
 
     def mark_stale(self, sub: _Sub, reason: str) -> None:

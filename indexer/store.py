@@ -13,7 +13,7 @@ import msgspec
 from .keys import KEY_SEED, block_keys, seeds_for_blocks
 from .lifecycle import Lifecycle
 from .sequencer import DUPLICATE, GAP, RESTART, classify
-from .state import _WG, GPU, WINDOW_KIND, _Worker
+from .state import _WG, GPU, WINDOW_KIND, _Model, _Worker
 from .tree import DEAD, Node, Tree, dup_add, insert_gpu, insert_gpu_raw, walk
 from .wire import (
     CLEARED,
@@ -54,7 +54,7 @@ def _mirror(tree: Tree, twin: Node) -> Node:
     return node
 
 
-def _note_window(m: Any, group: int, ev: StoredEvent) -> None:
+def _note_window(m: _Model, group: int, ev: StoredEvent) -> None:
     """Remember a sliding-window group's window: its hit rule caps the headline (R-APP-10)."""
     win = ev.kv_cache_spec_sliding_window
     kind = ev.kv_cache_spec_kind

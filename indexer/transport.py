@@ -190,6 +190,13 @@ class ZmqTransport:
             d.close(0)
             sub.dealer = None
 
+    def _reopen_dealer(self, sub: Sub) -> None:
+        """A new DEALER for ``sub``: it connects at once (no reconnect backoff to wait
+        out), and no late answer to the old one can reach it."""
+        if sub.dealer is not None:
+            self._close_dealer(sub)
+            self._open_dealer(sub)
+
     # A DEALER is in the hot poll exactly while its worker is in _replaying: these two
     # and _open_dealer / _close_dealer are the only places that change either.
 
@@ -348,11 +355,10 @@ class ZmqTransport:
             sub.connected = event == zmq.EVENT_CONNECTED
             if sub.connected:
                 sub.connects += 1
-                if sub.connects > 1 and not sub.replaying and sub.dealer is not None:
+                if sub.connects > 1 and not sub.replaying:
                     # The proof below goes over the DEALER, whose own reconnect may be
                     # up to RECONNECT_IVL_MAX away from the SUB's: a new one connects now.
-                    self._close_dealer(sub)
-                    self._open_dealer(sub)
+                    self._reopen_dealer(sub)
                 sub.reconnected()  # R-STR-7: prove continuity now (a replay from the anchor)
             self.link[(sub.engine, sub.rank)] = (sub.connected, sub.connects > 0)
 
