@@ -27,22 +27,21 @@ from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api import dynamo, schemas, text, ui
+from api.auth import CLIENT, Auth, client_of, is_mutating
+from api.common import ENC, JSON, HTTPError, off_loop, u64_keys
+from api.metrics import Metrics
+from api.settings import Settings
+from api.state import StateKeeper
 from indexer import PrefixIndex
-from indexer._compiled import core as _core
-from indexer.discovery import DnsDiscovery
-from indexer.engines import EndpointRefused, EngineConfig
-from indexer.index import ModelRequiredError
-from indexer.ingest import Indexer
-from indexer.keys import split_json_tokens
-from indexer.route import Load
-from indexer.snapshot import SnapshotError
-
-from . import dynamo, schemas, text, ui
-from .auth import CLIENT, Auth, client_of, is_mutating
-from .common import ENC, JSON, HTTPError, off_loop, u64_keys
-from .metrics import Metrics
-from .settings import Settings
-from .state import StateKeeper
+from indexer._native import core as _core
+from indexer.ingest.live import Indexer
+from indexer.query.index import ModelRequiredError
+from indexer.query.route import Load
+from indexer.store.snapshot import SnapshotError
+from indexer.transport.discovery import DnsDiscovery
+from indexer.wire.engines import EndpointRefused, EngineConfig
+from indexer.wire.keys import split_json_tokens
 
 log = logging.getLogger("kv_indexer.api")
 audit_log = logging.getLogger("kv_indexer.audit")
@@ -88,7 +87,7 @@ class Service:
         self.index = index
         self.state = StateKeeper(settings)
         if settings.nats_url:  # a replica of the relay's JetStream event log (only then is nats imported)
-            from indexer.jetstream import JetStreamIngest
+            from indexer.ingest.jetstream import JetStreamIngest
 
             self.ingest: Any = JetStreamIngest(settings.nats_url, index, stream=settings.nats_stream,
                                                subject=settings.nats_subject, bucket=settings.nats_bucket,
@@ -232,7 +231,7 @@ class Service:
 
     def match_plain(self, route: _Route, body: bytes) -> bytes | None:
         """:meth:`match`'s answer to the common request (:meth:`plain_request`, a model of the
-        common shape: :meth:`~indexer.query.Query.match_plain`) in few Python frames, from the
+        common shape: :meth:`~indexer.query.match.Query.match_plain`) in few Python frames, from the
         body as read; None for any other request, which :meth:`match` then answers."""
         got = self.plain_request(route, body)
         if got is None:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .settings import ENV_PREFIX, FIELDS, Settings, SettingsError, load_settings, parse_engine_spec
+from api.settings import ENV_PREFIX, FIELDS, Settings, SettingsError, load_settings, parse_engine_spec
 
 _HELP = {
     "host": "listen address",
@@ -323,7 +323,7 @@ def _fd_limit(max_workers: int) -> None:
 def serve(settings: Settings) -> None:
     import uvicorn
 
-    from .app import create_app
+    from api.app import create_app
 
     logging.config.dictConfig(log_config(settings))
     _fd_limit(settings.max_workers)
@@ -340,7 +340,7 @@ def serve(settings: Settings) -> None:
 
             settings = msgspec.structs.replace(settings, state_dir=None, bootstrap_from=None)
         settings, index, fleet, router = start_demo(settings)
-    from indexer.text import TokenizerLoadError
+    from indexer.text.tokenizer import TokenizerLoadError
 
     try:
         app = create_app(settings, index)
@@ -363,11 +363,10 @@ def start_demo(settings: Settings):
     engines added to the settings. Returns (settings, index, fleet, router)."""
     import msgspec
 
+    from api.ui import demo_router
     from indexer import PrefixIndex
-    from indexer.engines import EngineConfig
     from indexer.producer.sim import Fleet
-
-    from .ui import demo_router
+    from indexer.wire.engines import EngineConfig
 
     # A replay ring of 200 batches per worker covers the start-up (a late join is repaired
     # from it) without holding ~90 KB per served request for long.
@@ -433,7 +432,7 @@ def _run(uvicorn, app, settings: Settings) -> None:
     # process: out of the cycle collector's view, a full collection walks only what
     # requests and ingest create (the index's nodes and maps are never tracked).
     try:  # the hot routes answered by the HTTP protocol itself (api/http1.py)
-        from .http1 import bind
+        from api.http1 import bind
 
         http: Any = bind(app)
     except ImportError:  # no httptools: uvicorn's own choice
@@ -445,7 +444,7 @@ def _run(uvicorn, app, settings: Settings) -> None:
     # blocks/s: 1.1 ms against 1.5 ms at 0.5 ms, two paired runs); the cost, a GIL handoff
     # per 0.2 ms while both threads run, is within noise for ingest.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    from indexer._compiled import prefault_arenas
+    from indexer._native import prefault_arenas
 
     prefault_arenas(PREFAULT_ARENAS)
     gc.freeze()
@@ -482,7 +481,7 @@ def _cmd_demo_prompt(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo_offline(args: argparse.Namespace) -> int:
-    from indexer.__main__ import demo
+    from indexer.producer.offline import demo
 
     if getattr(args, "deprecated", None):
         print(f"{args.prog}: '{args.deprecated}' is deprecated, it is now 'demo-offline' "
@@ -492,7 +491,7 @@ def _cmd_demo_offline(args: argparse.Namespace) -> int:
 
 
 def _cmd_decode(args: argparse.Namespace) -> int:
-    from indexer.__main__ import decode
+    from .decode_tool import decode
 
     return decode(args.file)
 
@@ -602,7 +601,7 @@ def _cmd_relay(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from indexer.relay import Relay  # nats is imported here only
+    from indexer.ingest.relay import Relay  # nats is imported here only
 
     cfg = log_config(settings)
     cfg["loggers"]["indexer"] = {"handlers": ["stderr"], "level": settings.log_level.upper(), "propagate": False}
@@ -616,7 +615,7 @@ def _cmd_relay(args: argparse.Namespace) -> int:
     discovery = None
     d = settings.discovery
     if d is not None:
-        from indexer.discovery import DnsDiscovery
+        from indexer.transport.discovery import DnsDiscovery
 
         discovery = DnsDiscovery(relay, d.dns_name, port=d.port, replay_port=d.replay_port,
                                  metrics_port=d.metrics_port, dp_size=d.dp_size, model=d.model, topic=d.topic,

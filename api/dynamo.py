@@ -22,11 +22,10 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from indexer._compiled import core as _core
-from indexer.engines import EngineConfig
-
-from . import schemas
-from .common import ENC, JSON, HTTPError, u64_keys
+from api import schemas
+from api.common import ENC, JSON, HTTPError, u64_keys
+from indexer._native import core as _core
+from indexer.wire.engines import EngineConfig
 
 OK = b'{"status":"ok"}'
 # Dynamo's routes: errors there are {"error": ...}, 405 and 401/403 included.
@@ -135,7 +134,7 @@ class Dynamo:
 
     def query_plain(self, route, body: bytes) -> bytes | None:
         """:meth:`query`'s answer to the common request (``Service.plain_request``, a model
-        of the common shape: :meth:`~indexer.query.Query.match_plain`), from the body as
+        of the common shape: :meth:`~indexer.query.match.Query.match_plain`), from the body as
         read, in few Python frames (the calls below are compiled or inlined on purpose: see
         match_plain); None for any other request, which the caller then serves through
         :meth:`query` (errors included: nothing is counted here). Needs the compiled core."""

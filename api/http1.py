@@ -39,7 +39,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from .app import error_body
+from api.app import error_body
 
 __all__ = ["bind"]
 

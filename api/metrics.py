@@ -227,7 +227,7 @@ class _IndexCollector:
         yield GaugeMetricFamily(f"{NS}_workers_known", "Workers the index knows.", value=st["workers"])
         for h in self.histograms:
             yield h.family()
-        if getattr(self.ingest, "counters", None) is not None:  # a JetStream replica (indexer.jetstream)
+        if getattr(self.ingest, "counters", None) is not None:  # a JetStream replica (indexer.ingest.jetstream)
             yield from _jetstream(self.ingest)
         if self.state is not None:
             yield from _snapshots(self.state)

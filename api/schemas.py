@@ -8,22 +8,22 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from indexer.result import BestOut, MatchResponse, WorkerMatchOut  # noqa: F401  (response schema)
+from indexer.query.answers import BestOut, MatchResponse, WorkerMatchOut  # noqa: F401  (response schema)
 
 TokenId = Annotated[int, Meta(ge=0, le=2**32 - 1, description="a token id (uint32)")]
 # msgspec bounds stop at int64, so the u64 top is checked by the handler (check_keys).
 BlockKey = Annotated[int, Meta(ge=-(2**63), description="xxh3-64 block key (u64; a signed i64 is taken mod 2^64)")]
 Name = Annotated[str, Meta(min_length=1, max_length=256)]
 Count = Annotated[int, Meta(ge=0, le=2**53)]
-# What the service connects to: tcp only (indexer.engines.EndpointPolicy), the same rule
-# as indexer.engines.check_endpoint, so a schema-valid endpoint is one the service
+# What the service connects to: tcp only (indexer.wire.engines.EndpointPolicy), the same rule
+# as indexer.wire.engines.check_endpoint, so a schema-valid endpoint is one the service
 # accepts (ports 1-65535) unless allowed_endpoints says otherwise.
 _PORT = r"([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
 Endpoint = Annotated[str, Meta(
     pattern=r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):" + _PORT + r"$",
     max_length=256, description="tcp://HOST:PORT",
 )]
-# indexer.engines.ENGINE_ID_RE (which also refuses a final newline, that "$" lets by).
+# indexer.wire.engines.ENGINE_ID_RE (which also refuses a final newline, that "$" lets by).
 EngineId = Annotated[str, Meta(
     pattern=r"^[A-Za-z0-9_][A-Za-z0-9._:-]{0,127}$", min_length=1, max_length=128,
     description="ASCII letters, digits, '.', '_', ':' and '-', not starting with '.', ':' or '-'",
@@ -204,7 +204,7 @@ class DynQueryByHash(_DynReq, frozen=True):
 
 
 # --- Response shapes (documentation; the handlers build them from the index).
-# The match body's structs are the ones indexer.result encodes the answer with
+# The match body's structs are the ones indexer.query.answers encodes the answer with
 # (MatchResult.body), imported, not repeated: the schema is msgspec's, not pydantic's
 # (api/app.py merges msgspec.json.schema_components into FastAPI's document), so the
 # encoding classes serve as they are.
@@ -312,7 +312,7 @@ class DynQueryResponse(msgspec.Struct):
 
 def tokens_twin(cls: type[msgspec.Struct]) -> type[msgspec.Struct] | None:
     """``cls`` without its ``token_ids`` (None when it has none), for the rest of a body
-    whose token array was read in C (:func:`indexer.keys.split_json_tokens`). Every other
+    whose token array was read in C (:func:`indexer.wire.keys.split_json_tokens`). Every other
     field is validated exactly as by ``cls``; ``token_ids`` stays as an attribute,
     defaulting to None, that the handler fills with the tokens' bytes (not frozen)."""
     fields = msgspec.structs.fields(cls)

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from indexer.engines import EndpointPolicy, EngineConfig
+from indexer.wire.engines import EndpointPolicy, EngineConfig
 
 ENV_PREFIX = "KVI_"
 
@@ -194,7 +194,7 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         if self.log_level.lower() not in ("critical", "error", "warning", "info", "debug"):
             bad("log_level", f"must be one of critical, error, warning, info, debug; got {self.log_level!r}")
         for model, path in self.tokenizers.items():
-            # Read in full when the app is built (indexer.text); what is missing is said here.
+            # Read in full when the app is built (indexer.text.tokenizer); what is missing is said here.
             if not model:
                 bad("tokenizers", "model names must not be empty")
             if not os.path.isdir(path):

@@ -22,9 +22,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 
-from indexer.snapshot import Snapshot, SnapshotError, loads, write_atomic
-
-from .settings import Settings
+from api.settings import Settings
+from indexer.store.snapshot import Snapshot, SnapshotError, loads, write_atomic
 
 log = logging.getLogger("kv_indexer.state")
 

@@ -18,10 +18,9 @@ from typing import Any
 
 import msgspec
 
-from indexer.text import ChatError, TextError, Tokenized, Tokenizer, load_tokenizers
-
-from . import schemas
-from .common import HTTPError
+from api import schemas
+from api.common import HTTPError
+from indexer.text.tokenizer import ChatError, TextError, Tokenized, Tokenizer, load_tokenizers
 
 CONFIGURE = ("configure one: the setting tokenizers: {MODEL: DIR} (DIR a Hugging Face tokenizer directory with "
              "tokenizer.json and tokenizer_config.json), KVI_TOKENIZERS='{\"MODEL\": \"DIR\"}' or "
@@ -117,7 +116,7 @@ def add_routes(app: Any, svc: Any, json_route: Any) -> None:
 def document(components: dict[str, Any]) -> None:
     """What msgspec's schema cannot say: exactly one of token_ids, prompt and messages (the
     chat fields only with messages), text parts only, refused template kwargs."""
-    from indexer.chat import REFUSED_KWARGS
+    from indexer.text.chat import REFUSED_KWARGS
 
     # A field sent as null counts as not sent (msgspec's None), so "absent" is {"type": "null"}.
     null = {"type": "null"}

@@ -30,10 +30,9 @@ from typing import Annotated, Any
 from fastapi import FastAPI, Query
 from fastapi.responses import Response
 
-from indexer.explain import explain
-
-from . import schemas
-from .common import ENC, JSON, HTTPError
+from api import schemas
+from api.common import ENC, JSON, HTTPError
+from indexer.query.explain import explain
 
 STATIC = Path(__file__).with_name("static")
 # The page's files: path -> (file, content type). Static, holding no data: served
@@ -63,7 +62,7 @@ class Decisions:
         self.ring: deque[tuple] = deque(maxlen=size)
 
     def add(self, t0: float, ntok: int, out: dict) -> None:
-        """Record one answer of ``indexer.route.route`` (``t0``: its perf_counter time)."""
+        """Record one answer of ``indexer.query.route.route`` (``t0``: its perf_counter time)."""
         self.ring.append((t0, ntok, out["model"], out["reason"], out["tiers"], out["ranked"][:2], out["request_id"]))
 
     def since(self, t0: float) -> list[tuple]:
@@ -273,7 +272,7 @@ def demo_router(index: Any) -> Any:
     timed as route ``demo`` in ``kvi_query_duration_seconds`` once ``svc`` is set (the
     fleet starts before the app exists)."""
     from indexer.producer.routers import IndexRouter  # the producer side: the demo only
-    from indexer.route import Load
+    from indexer.query.route import Load
 
     class DemoRouter(IndexRouter):
         svc: Any = None

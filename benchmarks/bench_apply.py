@@ -102,10 +102,10 @@ def run_once(items, rem):
 def breakdown(items, block_size: int, total_s: float) -> None:
     """Wall time of the stages of apply, timed alone without a profiler."""
     from indexer import decode_batch
-    from indexer.keys import block_keys
+    from indexer.wire.keys import block_keys
 
     try:
-        from indexer.wire import decode_tokens
+        from indexer.wire.decode import decode_tokens
     except ImportError:  # the lead may move it
         decode_tokens = None
     t0 = time.perf_counter()

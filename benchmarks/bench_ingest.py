@@ -6,7 +6,7 @@ What is measured:
   each a :class:`indexer.producer.publisher.VllmPublisher` (vLLM's frames, sequence
   numbers and replay socket) that sends its worker's pre-encoded vLLM 0.33 batch
   payloads back to back, all at once, over ``tcp://127.0.0.1``;
-* one :class:`indexer.ingest.Indexer` in this process, subscribed to all of them;
+* one :class:`indexer.ingest.live.Indexer` in this process, subscribed to all of them;
 * the clock runs from the "go" signal to the moment the index has applied every
   batch (``stats()`` batch counter and resident entries equal to the stream's),
   with no loss (publisher HWM unbounded; any gap would trigger a replay, counted).
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workload as wl  # noqa: E402
 from _report import header, table  # noqa: E402
 
-from indexer.ingest import Indexer  # noqa: E402
+from indexer.ingest.live import Indexer  # noqa: E402
 from indexer.producer.publisher import VllmPublisher  # noqa: E402
 
 TARGET = 1_000_000

@@ -8,7 +8,7 @@ What is measured:
   second in total, ``--batches`` batches (pre-encoded vLLM 0.33 payloads: one
   BlockStored of ``--blocks`` blocks of 16 tokens each);
 * ``--relays`` ``kv-indexer relay`` processes (active-active when 2) subscribed to them;
-* one replica (:class:`indexer.jetstream.JetStreamIngest`) in this process.
+* one replica (:class:`indexer.ingest.jetstream.JetStreamIngest`) in this process.
 
 A batch's lag runs from just before its publisher's send (``time.monotonic_ns``, one
 clock for every process on the machine) to the moment the replica's index has applied
@@ -36,7 +36,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 from _report import ROOT, header, percentile, table  # noqa: E402
 from natsd import NatsServer  # noqa: E402
 
-from indexer.jetstream import JetStreamIngest  # noqa: E402
+from indexer.ingest.jetstream import JetStreamIngest  # noqa: E402
 from indexer.producer.events import Stored, encode_batch  # noqa: E402
 from indexer.producer.publisher import VllmPublisher  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Query latency of ``PrefixIndex.match``, ``match_by_keys`` and ``indexer.keys.block_keys``.
+"""Query latency of ``PrefixIndex.match``, ``match_by_keys`` and ``indexer.wire.keys.block_keys``.
 
 What is measured, single thread, GC enabled as normal, ``time.perf_counter_ns``
 around each call, ``--calls`` (2000) calls after ``--warmup`` (200) calls, median
@@ -43,7 +43,7 @@ from _report import (  # noqa: E402
 )
 
 from indexer import PrefixIndex  # noqa: E402
-from indexer.keys import block_keys  # noqa: E402
+from indexer.wire.keys import block_keys  # noqa: E402
 
 LONG_BLOCKS = 512
 
@@ -182,7 +182,7 @@ def main() -> None:
             all_rows.append([workers, 0, "Dynamo find_matches([]) call floor", None, None, None, None, None, None,
                              None, None, dyn["floor"]["median_us"], None, None, ""])
             if dyn.get("keys_disagree"):
-                mismatches.append((workers, "block keys", "indexer.keys.block_keys",
+                mismatches.append((workers, "block keys", "indexer.wire.keys.block_keys",
                                    f"{dyn['keys_disagree']} prompts hash differently"))
         if args.profile and (workers, seqs) == configs(args)[0]:
             profile_match(idx, qs, args.top)

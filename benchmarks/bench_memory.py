@@ -134,7 +134,7 @@ def main() -> None:
             if not peer_available():
                 print("## peer: .venv-dynamo not found; skipped\n")
             else:
-                from indexer.keys import block_keys
+                from indexer.wire.keys import block_keys
 
                 dyn_file = os.path.join(tmp, "dynamo.jsonl")
                 with open(dyn_file, "wb") as f:

@@ -105,7 +105,7 @@ def run_ours(workers: int, seqs: int, cpu: int) -> dict:
 
 
 def run_peer(workers: int, seqs: int, cpu: int) -> dict | None:
-    from indexer.keys import block_keys
+    from indexer.wire.keys import block_keys
 
     wargs = ["--cpu", str(cpu), "--workers", str(workers), "--seqs", str(seqs)]
     app = peer("apply", wargs + ["--events-per-batch", str(EPB), "--runs", "1"], timeout=7200, quiet=True)

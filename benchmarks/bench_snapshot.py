@@ -107,7 +107,7 @@ def check_generator(p: wl.Params) -> None:
 def workload_dir(p: wl.Params) -> Path:
     """Per-worker files of the workload, generated once: ``w<i>.vllm`` (length-prefixed
     vLLM payloads), ``w<i>.jsonl`` (Dynamo JSON events), ``meta.json`` (counts)."""
-    from indexer.keys import block_keys
+    from indexer.wire.keys import block_keys
 
     key = hashlib.sha256(repr((wl.GENERATOR_VERSION, FILES_VERSION, EPB, sorted(asdict(p).items())))
                          .encode()).hexdigest()[:16]
@@ -250,7 +250,7 @@ class TimedLock:
 def child_build(spec: dict) -> dict:
     """Build the index from the payload files, write the snapshot ``runs`` times."""
     from indexer import PrefixIndex, snapshot
-    from indexer._compiled import COMPILED
+    from indexer._native import COMPILED
 
     with open(spec["queries"]) as f:
         queries = json.load(f)
@@ -472,7 +472,7 @@ def core_build() -> dict:
     def git(*a: str) -> subprocess.CompletedProcess:
         return subprocess.run(["git", *a], cwd=root, capture_output=True, text=True)
 
-    from indexer import _compiled
+    import indexer._native as _compiled
 
     so = Path(_compiled.core.__file__) if _compiled.core is not None else None
     return {"head": git("rev-parse", "HEAD").stdout.strip(),

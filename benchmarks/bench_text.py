@@ -114,7 +114,7 @@ def main() -> None:
         args.vocab, args.calls = 8000, 40
     from _report import machine, table  # noqa: PLC0415
 
-    from indexer.text import Tokenizer
+    from indexer.text.tokenizer import Tokenizer
 
     with tempfile.TemporaryDirectory() as root:
         t0 = time.perf_counter()

@@ -28,7 +28,7 @@ What is measured (``dynamo.llm.RadixTree`` of ai-dynamo-runtime 1.6.1, single ca
   JSON a line, applied round robin like ``workload.interleave``; not timed). Then,
   ``--runs`` times each: *dump* = ``dump_tree_as_events()`` (a list of
   ``RouterEvent`` JSON strings); *write* = the dump, joined with newlines, UTF-8
-  encoded and written with ``indexer.snapshot.write_atomic`` (temp file, fsync,
+  encoded and written with ``indexer.store.snapshot.write_atomic`` (temp file, fsync,
   rename, directory fsync) under ``--dir``; *restore* = read that file (its pages
   dropped from the page cache first, as for ours), split it into lines
   (*read*), decode each ``RouterEvent`` with msgspec keeping its ``event`` as raw
@@ -194,7 +194,7 @@ def mode_match(args) -> dict:
             tree.apply_event(w, b)
         except ValueError:
             errors += 1
-    from indexer.keys import block_keys
+    from indexer.wire.keys import block_keys
 
     queries = match_queries(args, p)
     res = {}
@@ -218,7 +218,7 @@ def mode_match(args) -> dict:
     emit(args, out, table(
         ["query", "hash+find med us", "p99", "find_matches med us", "p99", "compute_hash med us", "p99"], rows,
         title=f"## peer: {dynamo_version()}, {p.workers} workers ({args.affinity}; {args.calls} calls each; "
-              f"apply errors {errors}; key disagreements with indexer.keys: {keys_disagree})"))
+              f"apply errors {errors}; key disagreements with indexer.wire.keys: {keys_disagree})"))
     return out
 
 
@@ -274,7 +274,7 @@ def _scores(tree, queries, bs: int) -> dict:
 
 
 def mode_snapshot(args) -> dict:
-    from indexer.snapshot import write_atomic
+    from indexer.store.snapshot import write_atomic
 
     d = Path(args.events_dir)
     tree = RadixTree()

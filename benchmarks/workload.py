@@ -443,7 +443,7 @@ def dynamo_json(evs: list[Event], local_hashes, block_size: int, dp_rank: int = 
     """Dynamo ``KvCacheEvent`` JSON (what ``RadixTree.apply_event`` takes) for one worker.
 
     ``local_hashes(tokens, block_size)`` gives the router-side block hashes
-    (``compute_block_hash_for_seq`` or ``indexer.keys.block_keys``: equal).
+    (``compute_block_hash_for_seq`` or ``indexer.wire.keys.block_keys``: equal).
     """
     out = []
     for i, e in enumerate(evs, first_id):

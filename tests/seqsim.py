@@ -9,7 +9,7 @@ Two halves that share no code with what they check:
 * ``World``: engines publishing real vLLM payloads (``encode_batch``, vLLM 0.33 layout)
   with a bounded replay ring as vLLM keeps it, and a transport that delivers, loses,
   reconnects and answers replays as the harness decides. The index side is the real
-  :class:`indexer.sequencer.Stream` feeding a real :class:`indexer.PrefixIndex`.
+  :class:`indexer.sequence.sequencer.Stream` feeding a real :class:`indexer.PrefixIndex`.
 
 A run ends with every worker either exactly equal to its ``Model`` or stale with a
 reason (and, where the world made no proof impossible, not stale at all).
@@ -23,7 +23,7 @@ from collections import deque
 from evkit import ehashes, toks
 from indexer import PrefixIndex
 from indexer.producer.events import Cleared, Removed, Stored, encode_batch
-from indexer.sequencer import Stream
+from indexer.sequence.sequencer import Stream
 
 BS = 4
 

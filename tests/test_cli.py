@@ -17,7 +17,8 @@ import pytest
 
 import golden
 from api.cli import build_parser, demo_requests
-from indexer.__main__ import decode, demo
+from api.decode_tool import decode
+from indexer.producer.offline import demo
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_TRACE = {"KVI_TRACE": "/nonexistent/conversation_trace.jsonl"}

@@ -16,8 +16,8 @@ import pytest
 import zmq
 
 from evkit import ehashes, removed
-from indexer.engines import EngineConfig
-from indexer.ingest import Indexer
+from indexer.wire.engines import EngineConfig
+from indexer.ingest.live import Indexer
 from indexer.producer.publisher import VllmPublisher
 from seqsim import Model
 from svc import wait_until

@@ -29,7 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from indexer import tree
+from indexer.store import tree
 
 ROOT = Path(__file__).resolve().parents[1]
 if os.environ.get("KVI_PURE_PYTHON", "") not in ("", "0"):
@@ -38,13 +38,14 @@ if os.environ.get("KVI_PURE_PYTHON", "") not in ("", "0"):
 
 def test_the_compiled_core_is_built_and_used() -> None:
     """The install builds it (a missing compiler only warns: this catches that)."""
-    from indexer import keys, result
+    from indexer.query import answers as result
+    from indexer.wire import keys
 
-    assert tree.COMPILED and tree.Node.__module__ == "indexer._core"
-    assert keys._c_block_keys is not None and result.gpu_answers.__module__ == "indexer._core"
+    assert tree.COMPILED and tree.Node.__module__ == "indexer._native._core"
+    assert keys._c_block_keys is not None and result.gpu_answers.__module__ == "indexer._native._core"
 
 
-from indexer import _core as core  # noqa: E402  (after the check above names what is missing)
+from indexer._native import _core as core  # noqa: E402  (after the check above names what is missing)
 
 # Keys an engine can send: u64 ints (dense and sparse), and what the side dict takes.
 KEYS = st.one_of(
@@ -362,7 +363,7 @@ STOPS = st.lists(st.tuples(st.integers(0, 600), st.integers(0, 2**150)), max_siz
 @given(_rows(), STOPS, st.booleans(), st.floats(-1, 2), st.floats(0, 1))
 @settings(max_examples=300, deadline=None)
 def test_answers_match_pure_python(rows, stops, ascending, credit, stale_factor) -> None:
-    from indexer.result import WorkerMatch, _py_gpu_answers
+    from indexer.query.answers import WorkerMatch, _py_gpu_answers
 
     stops = sorted(stops) if ascending else stops  # the walk's are ascending; others are ranked outright
     args = (stops, rows, "0", 16, credit, stale_factor, 12.5, WorkerMatch)
@@ -534,9 +535,9 @@ def test_request_decoder_c_path_equals_typed_decode(body, rtype) -> None:
 def test_pure_python_build_passes_the_index_tests() -> None:
     """The fallback (no compiled core) is a supported build: it runs the same tests."""
     env = dict(os.environ, KVI_PURE_PYTHON="1", KVI_FUZZ_EXAMPLES="20")
-    probe = subprocess.run([sys.executable, "-c", "import indexer.tree as t; print(t.COMPILED, t.Node.__module__)"],
+    probe = subprocess.run([sys.executable, "-c", "import indexer.store.tree as t; print(t.COMPILED, t.Node.__module__)"],
                            env=env, capture_output=True, text=True, cwd=ROOT, check=True)
-    assert probe.stdout.split() == ["False", "indexer.tree"]
+    assert probe.stdout.split() == ["False", "indexer.store.tree"]
     tests = ["test_apply.py", "test_query.py", "test_stateful.py", "test_lifecycle.py", "test_keys.py",
              "test_decode.py"]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],

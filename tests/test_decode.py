@@ -11,7 +11,7 @@ from golden import GOLDEN, VERSIONS, as_events, entries, payload, unhex
 
 from indexer import PrefixIndex
 from indexer.producer.events import Cleared, Removed, Stored, encode_batch
-from indexer.wire import CLEARED, REMOVED, STORED, DecodeError, decode_batch, decode_tokens
+from indexer.wire.decode import CLEARED, REMOVED, STORED, DecodeError, decode_batch, decode_tokens
 
 U64_MAX = 2**64 - 1
 

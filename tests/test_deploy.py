@@ -1070,7 +1070,7 @@ def test_the_image_install_step_works_in_a_fresh_venv_and_the_entry_point_starts
     exe = venv / "bin" / "kv-indexer"
     assert exe.exists()
     # The wheel carries the compiled core (the image has no compiler to build it later).
-    probe = subprocess.run([py, "-c", "import indexer.tree as t; print(t.COMPILED)"], cwd=tmp_path,
+    probe = subprocess.run([py, "-c", "import indexer.store.tree as t; print(t.COMPILED)"], cwd=tmp_path,
                            capture_output=True, text=True, timeout=60)
     assert probe.stdout.strip() == "True", probe.stderr[-2000:]
     port = free_port()

@@ -9,8 +9,8 @@ import socket
 import pytest
 
 from evkit import store, toks
-from indexer.discovery import DnsDiscovery, resolve_addresses
-from indexer.ingest import Indexer
+from indexer.transport.discovery import DnsDiscovery, resolve_addresses
+from indexer.ingest.live import Indexer
 from svc import free_port, wait_for, wait_subscribed
 
 
@@ -127,7 +127,7 @@ def test_R_DUR_2_engines_a_snapshot_restored_are_discoverys_own(disco):
     """A restart from a snapshot re-subscribes the engines discovery had added; discovery
     adopts them (same id and configuration), so an address gone while the service was
     down is still removed after the grace period. Static engines stay."""
-    from indexer.snapshot import loads
+    from indexer.store.snapshot import loads
 
     f, ix, d = disco
     f.addrs = {"10.0.0.1", "10.0.0.2"}

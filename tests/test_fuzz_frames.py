@@ -1,6 +1,6 @@
 """Malformed live messages, fuzzed, against a live subscriber (contract R-DEC-3, R-BAD-3).
 
-A real :class:`indexer.ingest.Indexer` subscribes over real ZMQ sockets on 127.0.0.1 to
+A real :class:`indexer.ingest.live.Indexer` subscribes over real ZMQ sockets on 127.0.0.1 to
 two :class:`~indexer.producer.publisher.VllmPublisher` engines (vLLM's wire protocol,
 payloads encoded as vLLM encodes them). It first indexes good batches and the test
 records every answer; then hypothesis (derandomized: the same examples on every run,
@@ -49,10 +49,10 @@ from hypothesis import strategies as st
 
 from evkit import chunks, ehashes, removed, store, toks, total
 from indexer import PrefixIndex
-from indexer.ingest import Indexer
+from indexer.ingest.live import Indexer
 from indexer.producer.events import Stored, encode_batch
 from indexer.producer.publisher import VllmPublisher
-from indexer.vllm_events import BLOCK_REMOVED, BLOCK_STORED, MAP_LAYOUT_SINCE
+from indexer.wire.events import BLOCK_REMOVED, BLOCK_STORED, MAP_LAYOUT_SINCE
 from svc import wait_until
 
 LOCAL = "tcp://127.0.0.1:*"

@@ -12,7 +12,7 @@ import pytest
 from evkit import FakeClock, apply, store, toks
 from indexer import PrefixIndex
 from indexer.producer.events import Cleared
-from indexer.route import Load
+from indexer.query.route import Load
 
 BS = 16
 OPS = int(os.environ.get("KVI_INFLIGHT_OPS", "300"))  # raise it for a longer local run

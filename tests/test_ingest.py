@@ -29,9 +29,9 @@ import zmq
 import golden
 from evkit import chunks, ehashes, gpu_evictions, removed, store, toks, total
 from indexer import PrefixIndex
-from indexer.engines import EngineConfig
-from indexer.ingest import Indexer
-from indexer.keys import block_keys
+from indexer.wire.engines import EngineConfig
+from indexer.ingest.live import Indexer
+from indexer.wire.keys import block_keys
 from indexer.producer.publisher import END_SEQ, VllmPublisher
 from indexer.producer.events import Cleared, encode_batch
 from svc import wait_until

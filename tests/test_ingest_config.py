@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from indexer import EngineConfig, Indexer
-from indexer.engines import EndpointPolicy, EndpointRefused, check_engine_id, parse_worker
+from indexer.wire.engines import EndpointPolicy, EndpointRefused, check_engine_id, parse_worker
 from indexer.producer.publisher import offset_endpoint
 
 

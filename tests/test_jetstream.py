@@ -2,8 +2,8 @@
 
 Everything is real: a ``nats-server -js`` with file storage (:mod:`natsd`), engines
 speaking vLLM's wire protocol over ZMQ (:class:`VllmPublisher`, with replay), relays
-(:class:`indexer.relay.Relay`, in this process or as ``kv-indexer relay`` processes) and
-replicas (:class:`indexer.jetstream.JetStreamIngest`, or ``kv-indexer serve --nats``).
+(:class:`indexer.ingest.relay.Relay`, in this process or as ``kv-indexer relay`` processes) and
+replicas (:class:`indexer.ingest.jetstream.JetStreamIngest`, or ``kv-indexer serve --nats``).
 Traffic flows throughout each scenario (a thread publishing a seeded mix of stores and
 removals on every worker, an engine restart included). The expected state is always a
 ``PrefixIndex`` fed every batch each engine incarnation sent, directly (``reference``);
@@ -29,12 +29,12 @@ from nats.js import api
 
 from evkit import ehashes, removed, store, toks
 from indexer import PrefixIndex
-from indexer.engines import EngineConfig
-from indexer.eventlog import H_RESTART, SNAPSHOT_OBJECT, headers, msg_id
-from indexer.jetstream import JetStreamIngest
+from indexer.wire.engines import EngineConfig
+from indexer.ingest.eventlog import H_RESTART, SNAPSHOT_OBJECT, headers, msg_id
+from indexer.ingest.jetstream import JetStreamIngest
 from indexer.producer.events import encode_batch
 from indexer.producer.publisher import VllmPublisher
-from indexer.relay import Relay
+from indexer.ingest.relay import Relay
 from natsd import NatsServer, free_port
 from svc import ROOT, Child, sample, wait_until
 from test_ingest import Rec, answers, reference, two_bases
@@ -373,7 +373,7 @@ def test_R_DUR_12_replica_killed_new_one_starts_from_the_object_store_snapshot(n
         traffic.wait_sent(900)
     finally:
         traffic.stop()
-    from indexer.snapshot import loads
+    from indexer.store.snapshot import loads
 
     n = loads(get_object(natsd.url)).meta["nats_seq"]
     assert n > 0
@@ -426,7 +426,7 @@ def test_R_DUR_12_stream_trimmed_behind_the_snapshot(natsd, fleet, closing):
         traffic.stop()
     wait_caught_up([writer], fleet)
     wait_until(lambda: writer._snap_task is None or writer._snap_task.done(), 10, msg="last snapshot stored")
-    from indexer.snapshot import loads
+    from indexer.store.snapshot import loads
 
     n = loads(get_object(natsd.url)).meta["nats_seq"]
     st = stream_state(natsd.url)
@@ -446,7 +446,7 @@ def test_R_DUR_12_corrupt_snapshot_refused_counted_replica_follows_the_whole_str
     """R-DUR-12: a snapshot that does not load (a flipped byte, or not a snapshot at all)
     is refused, logged and counted by reason; the replica follows the stream from its
     first message and equals the reference."""
-    from indexer.snapshot import dumps
+    from indexer.store.snapshot import dumps
 
     good = dumps(reference(fleet.recs), meta={"nats_seq": 3})
     bad = good[:-7] + bytes([good[-7] ^ 0xFF]) + good[-6:] if damage == "checksum" else b"not a snapshot" * 9
@@ -571,9 +571,9 @@ def test_R_DUR_13_relay_buffer_bounded_drops_counted_replicas_see_the_gap(fleet,
 
 
 def test_relay_and_replica_modules_stay_off_the_default_import_path():
-    """nats is imported only by indexer.jetstream / indexer.relay, which nothing on the
+    """nats is imported only by indexer.ingest.jetstream / indexer.ingest.relay, which nothing on the
     library's or the service's default path imports."""
-    code = ("import sys, indexer, indexer.ingest, indexer.discovery, api.app, api.cli; "
-            "bad = [m for m in ('nats', 'indexer.jetstream', 'indexer.relay', 'indexer.eventlog') if m in sys.modules]; "
+    code = ("import sys, indexer, indexer.ingest.live, indexer.transport.discovery, api.app, api.cli; "
+            "bad = [m for m in ('nats', 'indexer.ingest.jetstream', 'indexer.ingest.relay', 'indexer.ingest.eventlog') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})

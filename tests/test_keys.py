@@ -13,7 +13,7 @@ import xxhash
 from golden import VERSIONS, payload
 
 from indexer import PrefixIndex
-from indexer.keys import (
+from indexer.wire.keys import (
     KEY_SEED,
     block_keys,
     namespace_seed,
@@ -67,7 +67,7 @@ def test_R_KEY_2_keys_are_prefix_free_of_position():
 
 
 _SNIPPET = (
-    "from indexer.keys import block_keys, namespace_seed, seeds_for_blocks;"
+    "from indexer.wire.keys import block_keys, namespace_seed, seeds_for_blocks;"
     "print(block_keys(list(range(32)), 16));"
     "print(namespace_seed('adapter-a', ['tenant-a']));"
     "print(seeds_for_blocks(3, 'adapter-a', [['adapter-a', 'tenant-a'], ['adapter-a'], None]))"
@@ -141,7 +141,7 @@ def test_R_KEY_1_lora_name_repeated_in_extra_keys_is_normalized():
 def _readme_msgpack(obj) -> bytes:
     """The MessagePack bytes of the README's ``[lora, [parts...]]`` for short strings:
     written out by hand from the MessagePack spec (fixarray 0x90|n, fixstr 0xa0|len,
-    nil 0xc0), so the reference shares no encoder with ``indexer.keys``."""
+    nil 0xc0), so the reference shares no encoder with ``indexer.wire.keys``."""
     if obj is None:
         return b"\xc0"
     if isinstance(obj, str):

@@ -183,7 +183,7 @@ def test_close_frees_everything():
 
 
 def test_R_BAD_3_models_whose_last_worker_left_are_bounded():
-    from indexer.state import MAX_IDLE_MODELS
+    from indexer.store.state import MAX_IDLE_MODELS
 
     idx = PrefixIndex()
     n = MAX_IDLE_MODELS + 50

@@ -1,4 +1,4 @@
-"""indexer._prefault: pymalloc arenas from a reserve a background thread keeps faulted in.
+"""indexer._native._prefault: pymalloc arenas from a reserve a background thread keeps faulted in.
 
 The allocator is process-wide and stays for the life of the process, so each check
 runs in a child interpreter of its own."""
@@ -27,7 +27,7 @@ def test_arenas_come_from_the_reserve_and_go_back_to_it():
         import threading
         import time
 
-        from indexer import _prefault as p
+        from indexer._native import _prefault as p
 
         assert p.install(4) is True
         # A new thread's first frame stack chunk (16 KiB) comes from the same allocator
@@ -58,7 +58,7 @@ def test_arenas_come_from_the_reserve_and_go_back_to_it():
 
 def test_reserve_size_is_checked_and_a_second_install_only_resizes():
     out = _child("""
-        from indexer import _prefault as p
+        from indexer._native import _prefault as p
 
         for bad in (0, 129, -1):
             try:
@@ -89,7 +89,7 @@ def test_a_library_process_is_left_alone():
     """Importing the index changes no allocator: only the service (or a caller) installs."""
     out = _child("""
         import indexer
-        from indexer import _prefault as p
+        from indexer._native import _prefault as p
         idx = indexer.PrefixIndex()
         print(p.stats()["installed"])
     """)

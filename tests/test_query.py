@@ -14,7 +14,7 @@ import pytest
 
 import golden
 from indexer import PrefixIndex
-from indexer.keys import block_keys
+from indexer.wire.keys import block_keys
 from indexer.producer.events import Removed, encode_batch
 
 from evkit import ENGINE, WIRE, FakeClock, apply, chunks, ehashes, gpu_evictions, store, toks, wm
@@ -471,7 +471,7 @@ def test_R_Q_2_encoded_body_is_the_same_json():
 
 
 def test_R_Q_1_model_may_be_omitted_when_one_model_has_workers():
-    from indexer.index import ModelRequiredError
+    from indexer.query.index import ModelRequiredError
 
     idx = PrefixIndex()
     t = toks(10, 2, 16)
@@ -501,7 +501,7 @@ def test_R_Q_1_match_plain_answers_as_match_or_declines():
     """The one-frame door: the same answer as match for a GPU-only, one-group model (short
     and long prompts, partial blocks), None where the model has another shape (CPU tier,
     predictions), KeyError for an unknown model, as match."""
-    from indexer.keys import tokens_to_bytes
+    from indexer.wire.keys import tokens_to_bytes
 
     idx = PrefixIndex(clock=FakeClock())
     t = toks(3, 200, 16)

@@ -6,7 +6,7 @@ import pytest
 
 from evkit import apply, chunks, store, toks
 from indexer import PrefixIndex
-from indexer.route import Load
+from indexer.query.route import Load
 
 BS = 16
 
@@ -46,7 +46,7 @@ def test_R_Q_3_cache_first_then_load_then_ties(idx):
 
 
 def test_R_Q_3_a_worker_that_never_connected_ranks_after_every_connected_one(idx):
-    from indexer.route import route
+    from indexer.query.route import route
 
     t = idx.t
     res = idx.match([7] * 64)  # nothing cached anywhere: before, "a" won on its id

@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from indexer import PrefixIndex
-from indexer import store as store_mod
-from indexer import wire
-from indexer._compiled import core
+from indexer.store import apply as store_mod
+from indexer.wire import decode as wire
+from indexer._native import core
 
 pytestmark = pytest.mark.skipif(core is None or wire.scan_gpu_batch is None, reason="needs the compiled core")
 

@@ -14,7 +14,7 @@ import seqsim
 from evkit import ehashes, toks
 from indexer import PrefixIndex
 from indexer.producer.events import Stored, encode_batch
-from indexer.sequencer import DUPLICATE, GAP, NEXT, RESTART, Stream, classify, peek_ts
+from indexer.sequence.sequencer import DUPLICATE, GAP, NEXT, RESTART, Stream, classify, peek_ts
 
 BS = 4
 P = [toks(1 + 1000 * i, 3, BS) for i in range(8)]

@@ -131,7 +131,7 @@ def test_R_Q_2_R_Q_3_register_publish_match_route_and_count(api, pubs):
     assert res["best"] == {"engine": "svc-a", "dp_rank": 0, "score": 6.5}
 
     # The same answer by block keys (signed i64, as Dynamo sends them, wraps to u64).
-    from indexer.keys import block_keys
+    from indexer.wire.keys import block_keys
 
     keys = block_keys(a, BS, 1337)
     signed = [k - (1 << 64) if k >= 1 << 63 else k for k in keys]

@@ -9,12 +9,12 @@ import random
 import pytest
 
 from indexer import PrefixIndex
-from indexer.ingest import Indexer
+from indexer.ingest.live import Indexer
 from indexer.producer.sim import (
     Fleet, IndexRouter, LeastLoaded, Oracle, Request, RoundRobin, SimClock, SimEngine, compare_policies, engine_hashes,
     fleet_engines, simulate, synthetic_requests, trace_requests, versus,
 )
-from indexer.route import Load
+from indexer.query.route import Load
 from indexer.producer.events import Cleared, Removed, Stored
 from svc import wait_for
 

@@ -17,9 +17,9 @@ import xxhash
 
 from evkit import chunks, ehashes, placeholder, removed, store, toks
 from indexer import PrefixIndex
-from indexer.engines import EngineConfig
+from indexer.wire.engines import EngineConfig
 from indexer.producer.events import Cleared, encode_batch
-from indexer.snapshot import FORMAT_VERSION, SnapshotError, dumps, loads, write_atomic
+from indexer.store.snapshot import FORMAT_VERSION, SnapshotError, dumps, loads, write_atomic
 from svc import wait_until
 from test_ingest import BS, P, Rec, assert_same_index, cfg, gpu, reference, rig, wait_applied, wi  # noqa: F401
 

@@ -1,4 +1,4 @@
-"""The snapshot's hot loops: the compiled twins (``indexer._core.dump_tree``,
+"""The snapshot's hot loops: the compiled twins (``indexer._native._core.dump_tree``,
 ``dump_map``, ``node_index``, ``translate``, ``load_tree``, ``load_map``) against the
 pure ones in snapshot.py.
 
@@ -30,10 +30,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from indexer import snapshot
-from indexer._compiled import COMPILED
-from indexer._compiled import core as _core
-from indexer.tree import Kids, Node
+from indexer.store import snapshot
+from indexer._native import COMPILED
+from indexer._native import core as _core
+from indexer.store.tree import Kids, Node
 
 needs_core = pytest.mark.skipif(not COMPILED, reason="the compiled core is not built (or KVI_PURE_PYTHON=1)")
 

@@ -49,7 +49,7 @@ from hypothesis.stateful import (
 import msgspec
 
 from indexer import PrefixIndex
-from indexer.keys import tokens_to_bytes
+from indexer.wire.keys import tokens_to_bytes
 from indexer.producer.events import Cleared, Removed, Stored, encode_batch
 
 _ENC = msgspec.json.encode
@@ -571,7 +571,7 @@ class SnapshotMachine(IndexMachine):
 
     @rule(capped=st.booleans())
     def snapshot_restore(self, capped) -> None:
-        from indexer.snapshot import dumps, loads
+        from indexer.store.snapshot import dumps, loads
 
         data = dumps(self.idx, meta={"step": len(self.history)})
         fresh = PrefixIndex(orphan_ttl_s=1e9, max_nodes=10_000 if capped else None)

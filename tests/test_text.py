@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import textkit
-from indexer.chat import ChatError
-from indexer.text import TextError, Tokenizer, TokenizerLoadError, load_tokenizers
+from indexer.text.chat import ChatError
+from indexer.text.tokenizer import TextError, Tokenizer, TokenizerLoadError, load_tokenizers
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
@@ -97,7 +97,7 @@ def conversations(draw, alternating=False):
 
 
 def reference_conversation(family, messages):
-    """vLLM's conversation, written from its rules independently of indexer.chat."""
+    """vLLM's conversation, written from its rules independently of indexer.text.chat."""
     conv = []
     for m in messages:
         c = m["content"]

@@ -7,5 +7,5 @@
 
 The consumer path (transport, sequencer, decoder, store, query) never imports this
 package; it may import the consumer's modules (the simulator routes with
-:func:`indexer.route.route`).
+:func:`indexer.query.route.route`).
 """

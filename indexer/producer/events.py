@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from ..vllm_events import (
+from indexer.wire.events import (
     ALL_BLOCKS_CLEARED,
     BATCH,
     BLOCK_REMOVED,
@@ -37,7 +37,7 @@ from ..vllm_events import (
 __all__ = ["Stored", "Removed", "Cleared", "encode_batch", "VERSIONS"]
 
 # Every struct here is built from the one declaration of vLLM's events in
-# :mod:`indexer.vllm_events` (fields, types, wire order, which release sends what).
+# :mod:`indexer.wire.events` (fields, types, wire order, which release sends what).
 
 VERSIONS = ("0.23", "0.24", "0.33")
 

@@ -21,14 +21,14 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..route import Load
-from .events import Removed
+from indexer.producer.events import Removed
+from indexer.query.route import Load
 
 if TYPE_CHECKING:
     from msgspec import Struct
 
-    from .routers import Router
-    from .sim import Request, SimEngine
+    from indexer.producer.routers import Router
+    from indexer.producer.sim import Request, SimEngine
 
 __all__ = ["SimClock", "Oracle", "Report", "simulate", "versus"]
 

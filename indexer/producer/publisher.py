@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from ..engines import END_SEQ, offset_endpoint
-from .events import encode_batch
+from indexer.producer.events import encode_batch
+from indexer.wire.engines import END_SEQ, offset_endpoint
 
 if TYPE_CHECKING:
     import msgspec

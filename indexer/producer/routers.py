@@ -2,7 +2,7 @@
 
 * :class:`RoundRobin`, :class:`LeastLoaded`: blind to caches.
 * :class:`IndexRouter`: the index's answer over an in-process
-  :class:`~indexer.index.PrefixIndex`, asked one of three ways (``mode``): with the
+  :class:`~indexer.query.index.PrefixIndex`, asked one of three ways (``mode``): with the
   caller's load (``"load"``, the policy ``index``), with no load at all, so the index's
   own in-flight bookkeeping stands in for it (``"no_load"``, ``index_no_load``), or on the
   cached prefix alone (``"cache_only"``, ``index_cache_only``: nothing recorded).
@@ -18,11 +18,11 @@ import json
 import math
 from typing import TYPE_CHECKING, Protocol
 
-from ..engines import parse_worker
-from ..route import Load, route
+from indexer.query.route import Load, route
+from indexer.wire.engines import parse_worker
 
 if TYPE_CHECKING:
-    from ..index import PrefixIndex
+    from indexer.query.index import PrefixIndex
 
 __all__ = ["Router", "RoundRobin", "LeastLoaded", "IndexRouter", "HttpRouter"]
 
@@ -60,7 +60,7 @@ class LeastLoaded:
 
 
 class IndexRouter:
-    """The index's answer over an in-process :class:`~indexer.index.PrefixIndex`.
+    """The index's answer over an in-process :class:`~indexer.query.index.PrefixIndex`.
 
     ``mode``:
 
@@ -72,7 +72,7 @@ class IndexRouter:
     * ``"no_load"`` (``index_no_load``): ``PrefixIndex.route`` with no load: the index's
       own bookkeeping of what it routed and what the engines announced since.
     * ``"cache_only"`` (``index_cache_only``): the cached prefix alone
-      (:func:`indexer.route.route` without load, over :meth:`~indexer.index.PrefixIndex.match`;
+      (:func:`indexer.query.route.route` without load, over :meth:`~indexer.query.index.PrefixIndex.match`;
       the index records nothing). ``use_load=False`` is this mode.
 
     The simulator's workers are passed as the candidates in every mode.

@@ -55,15 +55,15 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import xxhash
 
-from .events import Cleared, Removed, Stored, encode_batch
-from .fleet_time import Oracle, Report, SimClock, simulate, versus
-from .routers import HttpRouter, IndexRouter, LeastLoaded, RoundRobin, Router
+from indexer.producer.events import Cleared, Removed, Stored, encode_batch
+from indexer.producer.fleet_time import Oracle, Report, SimClock, simulate, versus
+from indexer.producer.routers import HttpRouter, IndexRouter, LeastLoaded, RoundRobin, Router
 
 if TYPE_CHECKING:
     from msgspec import Struct
 
-    from ..index import PrefixIndex
-    from .publisher import VllmPublisher
+    from indexer.producer.publisher import VllmPublisher
+    from indexer.query.index import PrefixIndex
 
 __all__ = [
     "SimEngine", "Request", "trace_requests", "synthetic_requests", "RoundRobin", "LeastLoaded",
@@ -306,7 +306,7 @@ class Fleet:
 
     def __init__(self, engines: int = 4, dp_size: int = 2, *, model: str = "default", version: str = "0.33",
                  buffer_steps: int = 1000, **engine_options: Any) -> None:
-        from .publisher import VllmPublisher
+        from indexer.producer.publisher import VllmPublisher
 
         # The replay ring holds whole batches (a trace request's store is ~20 KB): vLLM's
         # default of 10,000 would hold ~200 MB per simulated worker.
@@ -379,7 +379,7 @@ def compare_policies(requests: list[Request], engines: int = 8, *,
     ``policies`` order. Each fleet publishes into its own ``PrefixIndex(**index_options)``
     that runs on the simulation's clock; ``decode_load`` passes the ``index`` policy the
     decode blocks besides the queued prefill tokens (:class:`IndexRouter`)."""
-    from ..index import PrefixIndex
+    from indexer.query.index import PrefixIndex
 
     out = []
     for name in policies:

@@ -1,0 +1,33 @@
+"""Which implementation runs: the compiled core (``indexer/_core.c``) unless it is
+not built (an install without a C compiler) or ``KVI_PURE_PYTHON=1`` asks for the
+pure-Python twins, the reference the tests hold the compiled core to.
+
+``core`` is the ``indexer._native._core`` module or None; read once, at import.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+core: ModuleType | None = None
+if os.environ.get("KVI_PURE_PYTHON", "") in ("", "0"):
+    try:
+        from indexer._native import _core as core
+    except ImportError:  # pragma: no cover - an install without a C compiler
+        core = None
+
+COMPILED = core is not None
+
+
+def prefault_arenas(n: int) -> bool:
+    """Have pymalloc take its arenas from a reserve of ``n`` (1..128) that a background
+    thread keeps faulted in (``indexer/_prefault.c``), process-wide: the page faults of
+    a growing index leave the thread that applies events. For a long-lived process that
+    grows an index (the service calls it at start). False when that module is not built
+    or the platform lacks it (not Linux); nothing changes then."""
+    try:
+        from indexer._native import _prefault
+    except ImportError:  # pragma: no cover - an install without a C compiler
+        return False
+    return bool(_prefault.install(n))

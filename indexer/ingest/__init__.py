@@ -1,0 +1,7 @@
+"""The ingests: what feeds a ``PrefixIndex`` from outside, each an ``Ingest``.
+
+``live`` (``Indexer``: ZMQ transport → sequencer → index, one thread), ``jetstream``
+(``JetStreamIngest``: a replica applying the shared event log), ``relay`` (the
+engines' sequenced batches published to that log), ``eventlog`` (the log's messages
+and set-up) and ``background`` (the thread, ``with`` and ``astart`` both share).
+"""

@@ -1,0 +1,7 @@
+"""Layer 4, store: the only mutable state, one room per concern.
+
+``tree`` (nodes, the hot loops, C or pure), ``state`` (``IndexState``: models, trees,
+workers, counters), ``inflight`` (routed, not yet announced), ``apply`` (stores,
+placeholders, orphans), ``removal`` (removals, clears, the node cap), ``lifecycle``
+(workers, stats) and ``snapshot`` (the whole state as one file and back).
+"""

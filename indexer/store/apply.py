@@ -1,0 +1,570 @@
+"""Applying a batch (contract §4): stores, placeholders and orphans, on top of the
+removals and the worker lifecycle. The only writer of the trees with
+:mod:`.removal`; called under the index lock."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from indexer.sequence.sequencer import DUPLICATE, GAP, RESTART, classify
+from indexer.store.lifecycle import Lifecycle
+from indexer.store.state import _WG, GPU, WINDOW_KIND, _Model, _Worker
+from indexer.store.tree import DEAD, Node, Tree, dup_add, insert_gpu, insert_gpu_raw, walk
+from indexer.wire.decode import (
+    CLEARED,
+    REMOVED,
+    STORED,
+    DecodeError,
+    decode_batch,
+    decode_event,
+    raw_array_len,
+    scan_gpu_batch,
+    token_bytes,
+)
+from indexer.wire.keys import KEY_SEED, block_keys, seeds_for_blocks
+
+if TYPE_CHECKING:
+    from indexer.wire.decode import RemovedEvent, StoredEvent
+    from indexer.wire.events import Hash
+
+__all__ = ["Store"]
+
+
+# What _on_store returns for a store held to the end of its batch (not counted yet).
+DEFERRED = "deferred"
+
+
+def _mirror(tree: Tree, twin: Node) -> Node:
+    """The node of ``tree`` on the same key path as ``twin`` (a node of another group's
+    tree), made with its missing ancestors: they hold nothing, and go when their last
+    held descendant does (R-APP-9)."""
+    keys = []
+    n = twin
+    while n.parent is not None:
+        keys.append(n.key)
+        n = n.parent
+    node = tree.root
+    for k in reversed(keys):
+        c = tree.child(node, k)
+        node = c if c is not None else tree.add_child(node, k)
+    return node
+
+
+def _note_window(m: _Model, group: int, ev: StoredEvent) -> None:
+    """Remember a sliding-window group's window: its hit rule caps the headline (R-APP-10)."""
+    win = ev.kv_cache_spec_sliding_window
+    kind = ev.kv_cache_spec_kind
+    if win.__class__ is int and win > 0 and kind.__class__ is str and kind.startswith(WINDOW_KIND):
+        m.windows[group] = win
+
+
+class Store(Lifecycle):
+    """Decode-and-apply of one batch, stores and orphans."""
+
+    def _apply(self, engine: str, payload: bytes, model: str, dp_rank: int | None, seq: int | None,
+               decide: bool) -> tuple[str, float | None]:
+        # The common batch (plain GPU stores only) is read in one pass by the compiled
+        # core; anything else, or no core, goes through the typed decoder.
+        scanned = scan_gpu_batch(payload) if scan_gpu_batch is not None else None
+        if scanned is not None:
+            ts, brank, stores = scanned
+            batch = None
+        else:
+            try:
+                batch = decode_batch(payload)
+            except DecodeError as e:
+                return self._bad_batch(engine, model, dp_rank, seq, e.reason)
+            ts, brank = batch.ts, batch.dp_rank
+        rank = brank if brank is not None else (dp_rank or 0)
+        if rank.__class__ is not int or rank < 0 or rank > self.max_dp_rank:
+            return self._bad_batch(engine, model, dp_rank, seq, "bad_dp_rank")
+        w = self._worker(engine, rank, model)
+        if seq is not None:
+            last = w.last_seq
+            if decide:
+                verdict = classify(last, w.last_ts, seq, ts)
+                if verdict == GAP:
+                    w.gaps += 1
+                    self._count("sequence_gaps")
+                elif verdict == DUPLICATE:
+                    self._count("batches_duplicate")
+                    return "duplicate", None
+                elif verdict == RESTART:
+                    self._restart(w)
+            elif (seq > last + 1) if last is not None else seq > 0:
+                # A Stream decided already (no call to classify on the live hot path);
+                # a gap it accepted still counts as one that reached the index.
+                w.gaps += 1
+                self._count("sequence_gaps")
+            w.last_seq = seq
+        if batch is not None and batch.issues:
+            unknown = self._events[3]
+            for k, v in batch.issues.items():
+                unknown[k] = unknown.get(k, 0) + v
+        if self._orphans:
+            # Expire first: an orphan past its age bound is not adopted by this batch.
+            self._expire_orphans()
+        ev_counts = self._events
+        # A sliding-window store whose full-attention twins are not there yet is held to
+        # the end of the batch (R-APP-12: vLLM lists that group's store of a step first),
+        # and so is every later event of a window group, to keep their order.
+        later = self._later
+        if later:
+            later.clear()  # left by a batch an exception cut short: never another batch's
+        if batch is None:
+            c = ev_counts[STORED]
+            on_store = self._on_scanned_store
+            for st in stores:
+                if later and (st[4] or 0) in self._models[w.model].window_groups:
+                    later.append(decode_event(payload[st[6]:st[7]]))
+                    continue
+                outcome = on_store(w, st, payload)
+                c[outcome] = c.get(outcome, 0) + 1
+            if later:
+                c.pop(DEFERRED, None)  # counted when applied, at the end
+        else:
+            for ev in batch.events:
+                kind = ev.kind
+                if later and kind != CLEARED and (ev.group_idx or 0) in self._models[w.model].window_groups:
+                    later.append(ev)
+                    continue
+                if kind == STORED:
+                    outcome = self._on_store(w, ev)
+                elif kind == REMOVED:
+                    outcome = self._on_remove(w, ev)
+                else:
+                    outcome = self._on_clear(w)
+                c = ev_counts[kind]
+                c[outcome] = c.get(outcome, 0) + 1
+            if later:
+                ev_counts[STORED].pop(DEFERRED, None)  # counted when applied, at the end
+        if later:
+            self._apply_later(w)
+        w.last_ts = ts
+        w.last_apply = self._clock()
+        w.refresh()
+        w.batches += 1
+        self._count("batches_applied")
+        if self.inflight.pending:
+            self._check_announced(w)
+        return "applied", ts
+
+    def _check_announced(self, w: _Worker) -> None:
+        """End the prefill of ``w``'s routed requests whose prompts it now holds on GPU."""
+        key = (w.engine, w.dp_rank)
+        if key not in self.inflight.pending:
+            return
+        m = self._models[w.model]
+        if not m.trees:
+            return
+        root = m.trees[m.default_groups()[0]].root
+        bit = w.bit
+
+        def resident(keys: Sequence[int]) -> bool:
+            d, _, active, _ = walk(root, (keys,), False)
+            return d == len(keys) and bool(active & bit)
+
+        self.inflight.check_announced(key, resident)
+
+    def _bad_batch(self, engine: str, model: str, dp_rank: int | None, seq: int | None,
+                   reason: str) -> tuple[str, None]:
+        """Count a batch dropped whole; its seq was used all the same (no gap after it)."""
+        self._drop(engine, model, dp_rank, reason)
+        w = self._workers.get((engine, dp_rank or 0))
+        if w is not None and seq is not None and (w.last_seq is None or seq > w.last_seq):
+            w.last_seq = seq  # the sequence number was used, by a bad batch
+            w.refresh()
+        return "dropped", None
+
+    def _tier(self, medium: object, ownership: object, create: bool = True) -> int:
+        """Tier id of an event (contract §1 Tier); -1 once ``max_tiers`` are in use, or,
+        with ``create`` False (a removal: nothing can be resident in a tier never
+        stored to), when the tier is not in use yet."""
+        ck = medium if ownership is None else (medium, ownership)
+        tid = self._tier_cache.get(ck)
+        if tid is not None:
+            return tid
+        if not isinstance(medium, (str, type(None))) or not isinstance(ownership, (str, type(None))):
+            return -1
+        name = (medium or "GPU").upper()
+        if ownership is not None:
+            name = f"{name}:{ownership}"
+        tid = self._tier_ids.get(name)
+        if tid is None:
+            if not create or len(self._tier_names) >= self.max_tiers:
+                return -1
+            tid = len(self._tier_names)
+            self._tier_names.append(name)
+            self._tier_ids[name] = tid
+        if len(self._tier_cache) < 4 * self.max_tiers:
+            self._tier_cache[ck] = tid
+        return tid
+
+    def _group(self, ev: StoredEvent | RemovedEvent) -> int:
+        g = ev.group_idx
+        if g is None:
+            return 0
+        if g < 0 or g >= self.max_groups:
+            return -1
+        return g
+
+    def _on_scanned_store(self, w: _Worker, st: tuple[Any, ...], payload: bytes) -> str:
+        """A plain GPU store read by ``scan_gpu_batch``: :meth:`_on_store` and
+        :meth:`_insert` for a known, uncapped tree and a parent the worker maps (or none),
+        with no Python object per block; blocks it holds already count as duplicates in
+        the compiled loop, as in the general one (R-APP-2). Any other case, and before
+        anything changes, decodes the event as the typed decoder does and takes
+        :meth:`_on_store`: the same outcome and state either way."""
+        hashes, ph, tokens, bs, g, kind, start, end = st
+        if g is not None and (g < 0 or g >= self.max_groups):
+            return "bad_group"
+        group = 0 if g is None else g
+        m = self._models[w.model]
+        if m.window_groups and group in m.window_groups:
+            return self._on_store(w, decode_event(payload[start:end]))  # R-APP-12: never the raw insert
+        tree = m.trees.get(group)
+        wg = w.groups.get(group)
+        parent: Node | None = None
+        if tree is not None and tree.stamps is None and tree.block_size == bs:  # GPU: a tier always in use
+            wmap = wg.map if wg is not None else None
+            if ph is None:
+                parent = tree.root
+            elif wmap is not None:
+                parent = wmap.get(ph)
+                if parent is not None and parent.parent is DEAD:
+                    parent = None
+        if parent is None:
+            return self._on_store(w, decode_event(payload[start:end]))
+        if kind is not None and m.kinds.get(group) is None:
+            m.set_kind(group, kind)
+        if wg is None:
+            wg = w.groups[group] = _WG()
+        n = len(hashes) >> 3
+        _, created, new = insert_gpu_raw(wg.map, parent, hashes, tokens, bs, KEY_SEED, w.bit, w.wid << 5)
+        tree.nodes += created  # type: ignore[union-attr]  # checked above
+        wg.res[GPU] += new
+        outcome = "applied" if new == n else "applied_with_duplicates"
+        if wg.orphans:
+            self._adopt(tree, wg, w, struct.unpack(f"<{n}Q", hashes))  # type: ignore[arg-type]  # checked above
+        return outcome
+
+    def _on_store(self, w: _Worker, ev: StoredEvent) -> str:
+        loc = ev.locality
+        if loc is not None and loc.upper() == "REMOTE":
+            return "remote_ignored"  # R-APP-11
+        tid = self._tier(ev.medium, ev.ownership)
+        if tid < 0:
+            return "tier_limit"
+        group = self._group(ev)
+        if group < 0:
+            return "bad_group"
+        hashes = ev.block_hashes
+        n = len(hashes)
+        bs = ev.block_size
+        ntok = raw_array_len(ev.token_ids)
+        if bs <= 0 or ntok == 0:
+            return self._on_placeholder(w, ev, tid, group)
+        if n == 0 or ntok != n * bs:
+            kind = ev.kv_cache_spec_kind
+            if (tid == GPU and n and ntok > n * bs and ntok % bs == 0
+                    and kind.__class__ is str and kind.startswith(WINDOW_KIND)):
+                return self._on_window_store(w, ev, group)  # R-APP-12
+            return "shape_mismatch"  # R-APP-1 (a Mamba store skipping null blocks, say)
+        m = self._models[w.model]
+        tree = m.trees.get(group)
+        if tree is None:
+            # A group's first store fixes its block size and makes it a (headline) group:
+            # only once it is known to apply (its tokens read), never for a bad one.
+            if self._event_keys(ev, bs, n) is None:
+                return "bad_tokens"
+            tree = m.trees[group] = Tree(group, bs, self.max_nodes is not None)
+            m.set_kind(group, ev.kv_cache_spec_kind)
+        elif tree.block_size != bs:
+            w.dropped["block_size_mismatch"] = w.dropped.get("block_size_mismatch", 0) + 1
+            return "block_size_mismatch"  # R-APP-7
+        elif m.kinds.get(group) is None and ev.kv_cache_spec_kind is not None:
+            m.set_kind(group, ev.kv_cache_spec_kind)
+        if ev.kv_cache_spec_sliding_window is not None:
+            _note_window(m, group, ev)
+        wg = w.groups.get(group)
+        if wg is None:
+            wg = w.groups[group] = _WG()
+        ph = ev.parent_block_hash
+        parent: Node | None
+        if ph is None:
+            parent = tree.root
+        else:
+            parent = wg.map.get(ph)
+            if parent is None or parent.parent is DEAD:
+                return self._orphan(wg, ph, ev, tid)
+        outcome = self._insert(tree, wg, w, tid, parent, ev)
+        if wg.orphans and outcome.startswith("applied"):
+            self._adopt(tree, wg, w, hashes)
+        if tree.stamps is not None and tree.nodes > self.max_nodes:  # type: ignore[operator]  # capped: an int
+            self._cap(m, tree)
+        return outcome
+
+    def _insert(self, tree: Tree, wg: _WG, w: _Worker, tid: int, parent: Node, ev: StoredEvent) -> str:
+        """Attach the blocks of one rich store under ``parent`` and add residency.
+
+        Known hashes win (R-APP-2): a hash the worker already maps keeps its node,
+        and the event's tokens are only decoded and hashed when a block is new.
+        """
+        hashes = ev.block_hashes
+        wmap = wg.map
+        bit = w.bit
+        keys = None
+        new = 0
+        capped = tree.stamps is not None
+        get = wmap.get
+        if tid == GPU and not capped and get(hashes[0]) is None:
+            # The hot path: a GPU store that starts with a new block (tree.insert_gpu:
+            # the general loop below minus its per-block branches).
+            keys = self._event_keys(ev, tree.block_size, len(hashes))
+            if keys is None:
+                return "bad_tokens"
+            _, created, new = insert_gpu(wmap, parent, hashes, keys, bit, w.wid << 5)
+            tree.nodes += created
+            wg.res[GPU] += new
+            return "applied" if new == len(hashes) else "applied_with_duplicates"
+        for i, h in enumerate(hashes):
+            node = get(h)
+            if node is None or node.parent is DEAD:
+                if keys is None:
+                    keys = self._event_keys(ev, tree.block_size, len(hashes))
+                    if keys is None:
+                        self._rollback(tree, wg, w, tid, hashes, i)
+                        return "bad_tokens"
+                k = keys[i]
+                node = tree.child(parent, k)
+                if node is None:
+                    node = tree.add_child(parent, k)
+                wmap[h] = node
+            if capped:
+                tree.touch(node)
+            if tid == GPU:
+                m = node.gpu
+                if m & bit:
+                    dup_add(node, (w.wid << 5) | tid)
+                else:
+                    node.gpu = m | bit
+                    new += 1
+            else:
+                tiers = node.tiers
+                if tiers is None:
+                    node.tiers = {tid: bit}
+                    new += 1
+                else:
+                    m = tiers.get(tid, 0)
+                    if m & bit:
+                        dup_add(node, (w.wid << 5) | tid)
+                    else:
+                        tiers[tid] = m | bit
+                        new += 1
+            parent = node
+        if tid != GPU:
+            # R-APP-5: the blocks of one event form a chunk; mark its last block.
+            wg.mark_end(parent.tiers, tid, bit, parent, len(hashes))  # type: ignore[arg-type]  # set above
+            self._models[w.model].tiered = True
+        wg.res[tid] += new
+        return "applied" if new == len(hashes) else "applied_with_duplicates"
+
+    def _apply_later(self, w: _Worker) -> None:
+        """Apply the window events held to the end of the batch, in their order."""
+        items = self._later[:]
+        self._later.clear()
+        self._first_pass = False
+        try:
+            ev_counts = self._events
+            for ev in items:
+                outcome = self._on_store(w, ev) if ev.kind == STORED else self._on_remove(w, ev)
+                c = ev_counts[ev.kind]
+                c[outcome] = c.get(outcome, 0) + 1
+        finally:
+            self._first_pass = True
+
+    def _on_window_store(self, w: _Worker, ev: StoredEvent, group: int) -> str:
+        """R-APP-12: a sliding-window group's GPU store that leaves out its null blocks.
+
+        vLLM lists only the blocks inside the window (``block_hashes``, the tail of the
+        range) with the token ids of the whole range, and the parent hash of a block
+        this group may never have held. Its block hashes are the full-attention group's
+        for the same blocks (vLLM hashes tokens, not groups), so each block is placed
+        on the path of its full-attention twin, mirrored into this group's tree; a block
+        whose twin the worker does not map (evicted already) is left out."""
+        m = self._models[w.model]
+        bs = ev.block_size
+        tree = m.trees.get(group)
+        if tree is not None and tree.block_size != bs:
+            w.dropped["block_size_mismatch"] = w.dropped.get("block_size_mismatch", 0) + 1
+            return "block_size_mismatch"  # R-APP-7
+        if group not in m.window_groups:
+            m.window_groups.add(group)  # its kind is set with its tree, once a block is placed
+        twins = [w.groups[g].map for g in m.default_groups() if g != group and g in w.groups]
+        if self._first_pass and not all(any((n := t.get(h)) is not None and n.parent is not DEAD for t in twins)
+                                        for h in ev.block_hashes):
+            self._later.append(ev)  # its twins may come later in this batch
+            return DEFERRED
+        wg = w.groups.get(group)
+        wmap: Any = wg.map if wg is not None else {}
+        bit = w.bit
+        placed = new = 0
+        for h in ev.block_hashes:
+            node = wmap.get(h)
+            if node is None or node.parent is DEAD:
+                node = None
+                for t in twins:
+                    twin = t.get(h)
+                    if twin is not None and twin.parent is not DEAD:
+                        if tree is None:  # the group's first placed block makes its tree
+                            tree = m.trees[group] = Tree(group, bs, self.max_nodes is not None)
+                            m.set_kind(group, ev.kv_cache_spec_kind)
+                        if wg is None:
+                            wg = w.groups[group] = _WG()
+                            wmap = wg.map
+                        node = _mirror(tree, twin)
+                        break
+                if node is None:
+                    continue
+                wmap[h] = node
+            assert tree is not None and wg is not None  # a mapped or mirrored node has both
+            placed += 1
+            if tree.stamps is not None:
+                tree.touch(node)
+            if node.gpu & bit:
+                dup_add(node, (w.wid << 5) | GPU)
+            else:
+                node.gpu |= bit
+                new += 1
+        if placed == 0 or wg is None or tree is None:
+            return "window_unplaced"
+        wg.res[GPU] += new
+        _note_window(m, group, ev)
+        if tree.stamps is not None and tree.nodes > self.max_nodes:  # type: ignore[operator]  # capped: an int
+            self._cap(m, tree)  # mirrored ancestors count too (R-APP-9)
+        if placed < len(ev.block_hashes):
+            return "window_partial"
+        return "applied" if new == placed else "applied_with_duplicates"
+
+    def _rollback(self, tree: Tree, wg: _WG, w: _Worker, tid: int, hashes: list[Hash], upto: int) -> None:
+        # Tokens that do not decode or exceed uint32 (R-BAD-3): undo the blocks of
+        # this event already attached through known hashes, so the event is all or
+        # nothing.
+        for h in hashes[:upto]:
+            node = wg.map.get(h)
+            if node is not None:
+                self._remove_one(tree, wg, w, tid, h, node)
+
+    @staticmethod
+    def _event_keys(ev: StoredEvent, block_size: int, n: int) -> list[int] | None:
+        try:
+            buf = token_bytes(ev.token_ids)
+        except (msgspec.DecodeError, OverflowError, TypeError, ValueError):
+            return None
+        lora = ev.lora_name
+        extra = ev.extra_keys
+        seed = KEY_SEED if (not lora and not extra) else seeds_for_blocks(n, lora, extra)
+        return block_keys(buf, block_size, seed)
+
+    def _on_placeholder(self, w: _Worker, ev: StoredEvent, tid: int, group: int) -> str:
+        """R-APP-6: residency on nodes the worker already maps by hash; never a new node."""
+        wg = w.groups.get(group)
+        if wg is None:
+            return "placeholder_ignored"
+        if tid != GPU:
+            self._models[w.model].tiered = True
+        wmap = wg.map
+        bit = w.bit
+        hit = 0
+        new = 0
+        for h in ev.block_hashes:
+            node = wmap.get(h)
+            if node is None or node.parent is DEAD:
+                continue
+            hit += 1
+            if tid == GPU:
+                if node.gpu & bit:
+                    dup_add(node, (w.wid << 5) | tid)
+                else:
+                    node.gpu |= bit
+                    new += 1
+            else:
+                tiers = node.tiers
+                if tiers is None:
+                    tiers = node.tiers = {}
+                m = tiers.get(tid, 0)
+                if m & bit:
+                    dup_add(node, (w.wid << 5) | tid)
+                else:
+                    tiers[tid] = m | bit
+                    new += 1
+                # A placeholder names a chunk by its tail only. Taken as a chunk of
+                # one block it is credited only where the engine would load it too
+                # (the GPU prefix reaches the block before it): never over-credit.
+                if not tiers.get(-tid, 0) & bit:
+                    wg.mark_end(tiers, tid, bit, node, 1)
+        wg.res[tid] += new
+        if hit == 0:
+            return "placeholder_ignored"
+        return "placeholder_attached" if hit == len(ev.block_hashes) else "placeholder_partial"
+
+    # ---------------------------------------------------------------- orphans
+
+    def _orphan(self, wg: _WG, parent_hash: Hash, ev: StoredEvent, tid: int) -> str:
+        """R-APP-3: buffer a store whose parent is unknown, keyed by that parent."""
+        entry = (ev, tid)
+        lst = wg.orphans.get(parent_hash)
+        if lst is None:
+            wg.orphans[parent_hash] = [entry]
+        else:
+            lst.append(entry)
+        self._orphans += 1
+        self._orphan_queue.append((self._clock(), wg, parent_hash, entry))
+        while self._orphans > self.max_orphans:
+            self._drop_oldest_orphan("orphan_overflow")
+        return "orphaned"
+
+    def _adopt(self, tree: Tree, wg: _WG, w: _Worker, hashes: Iterable[Hash]) -> None:
+        """Attach buffered children of the hashes just stored, then theirs (iterative)."""
+        stack = list(hashes)
+        orphans = wg.orphans
+        while stack and orphans:
+            h = stack.pop()
+            lst = orphans.pop(h, None)
+            if not lst:
+                continue
+            parent = wg.map.get(h)
+            for ev, tid in lst:
+                self._orphans -= 1
+                if parent is None or parent.parent is DEAD:
+                    self._count("orphans_dropped_parent_gone")
+                    continue
+                outcome = self._insert(tree, wg, w, tid, parent, ev)
+                self._count("orphans_adopted" if outcome.startswith("applied") else "orphans_dropped_bad")
+                stack.extend(ev.block_hashes)
+
+    def _drop_oldest_orphan(self, reason: str) -> None:
+        _, wg, ph, entry = self._orphan_queue.popleft()
+        lst = wg.orphans.get(ph)
+        if lst is None:
+            return  # adopted or dropped with its worker already
+        for i, e in enumerate(lst):
+            if e is entry:
+                del lst[i]
+                if not lst:
+                    del wg.orphans[ph]
+                self._orphans -= 1
+                self._count(reason)
+                return
+
+    def _expire_orphans(self) -> None:
+        q = self._orphan_queue
+        limit = self._clock() - self.orphan_ttl_s
+        while q and q[0][0] < limit:
+            self._drop_oldest_orphan("orphan_expired")
+        if not self._orphans:
+            q.clear()

@@ -1,0 +1,613 @@
+"""Snapshots: the whole index as one versioned file, and back (R-DUR-1..4).
+
+A snapshot holds everything :class:`~indexer.PrefixIndex` keeps (models, trees with
+every node's residency, chunk ends and reference counts, each worker's engine-hash
+map, orphans, per-worker last seq and batch ts, stale marks) plus what its owner
+adds: the engine registry and a ``meta`` map (e.g. the JetStream sequence the
+snapshot covers). What routing has in flight (predictions, load) is not kept: it
+lives seconds and the engines' announcements replace it.
+
+The file (format in ``docs/snapshot.md``)::
+
+    magic  b"KVISNAP\\0"      8 bytes
+    version                  uint32 big-endian (FORMAT_VERSION)
+    flags                    uint32 big-endian (0)
+    body length              uint64 big-endian
+    body xxh64 (seed 0)      uint64 big-endian
+    body                     msgpack of :class:`Body`
+
+A tree is columnar: its nodes in preorder (a parent before its children), node 0
+the root, as little-endian arrays of parent index (uint32), block key (uint64) and
+GPU-mask id (uint32, into a table of distinct masks). Worker maps name nodes by
+index. So a load is one pass that creates each node under an already created
+parent, and a dump is one walk: no per-node msgpack object either way.
+
+:func:`dumps` reads the index under its lock (one consistent cut: no batch is
+half applied); :func:`loads` checks the header and the checksum before it decodes
+anything, and raises :class:`SnapshotError` with a bounded ``reason``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+import sys
+import time
+from array import array
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import xxhash
+from msgspec import Struct
+
+from indexer._native import core as _core
+from indexer.store.state import _WG, _Model, _Worker
+from indexer.store.tree import Kids, Node, Tree, link_child
+from indexer.wire.decode import decode_stored, encode_stored
+
+if TYPE_CHECKING:
+    from indexer.query.index import PrefixIndex
+
+__all__ = ["FORMAT_VERSION", "MAGIC", "Snapshot", "SnapshotError", "dumps", "loads", "write_atomic"]
+
+MAGIC = b"KVISNAP\0"
+FORMAT_VERSION = 1
+_HEAD = struct.Struct(">8sIIQQ")  # magic, version, flags, body length, body xxh64
+HEADER_SIZE = _HEAD.size
+_U64 = (1 << 64) - 1
+
+# array typecodes of the widths the format fixes (C's unsigned int / long long)
+_U32, _U64C = "I", "Q"
+assert array(_U32).itemsize == 4 and array(_U64C).itemsize == 8
+_SWAP = sys.byteorder != "little"  # the columns are little-endian on every host
+
+
+def _le(a: array[int]) -> bytes:
+    """An array's bytes, little-endian."""
+    if _SWAP:
+        a = array(a.typecode, a)
+        a.byteswap()
+    return a.tobytes()
+
+
+def _col(code: str, data: bytes) -> array[int]:
+    """A little-endian column as an array (``bytes(data)``: an array reads a memoryview
+    one byte at a time)."""
+    a = array(code, bytes(data))
+    if _SWAP:
+        a.byteswap()
+    return a
+
+
+class SnapshotError(ValueError):
+    """A snapshot that cannot be loaded; ``reason`` is one of ``magic``, ``truncated``,
+    ``checksum``, ``version``, ``corrupt`` (bounded: a metric label)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"snapshot refused ({reason}): {detail}")
+        self.reason = reason
+
+
+class TreeSnap(Struct, array_like=True, frozen=True):
+    group: int
+    block_size: int
+    kind: str | None
+    parents: bytes  # uint32 per node but the root: parent's index (0 = the root)
+    keys: bytes  # uint64 per node but the root
+    mask_ids: bytes  # uint32 per node but the root: index into masks
+    masks: list[bytes]  # distinct GPU masks, little-endian unsigned (b"" = 0)
+    # (node index, tiers {tid or -tid: mask bytes} or None, dup {key: count} or None)
+    extras: list[tuple[int, list[tuple[int, bytes]] | None, list[tuple[int, int]] | None]]
+    stamps: bytes | None  # capped trees: uint64 store stamp per node but the root (0 = none)
+    clock: int
+
+
+class GroupSnap(Struct, array_like=True, frozen=True):
+    """One worker in one KV-cache group."""
+
+    group: int
+    hashes: bytes  # uint64 engine hashes in [0, 2**64)
+    nodes: bytes  # uint32 node index of each of ``hashes``
+    other: list[tuple[Any, int]]  # (any other hash: bytes or an int outside uint64, node index)
+    res: list[int]  # resident entries per tier id
+    ends: list[tuple[int, bytes, bytes]]  # (tier id, uint32 node indices, uint32 chunk lengths)
+
+
+class WorkerSnap(Struct, array_like=True, frozen=True):
+    wid: int
+    engine: str
+    dp_rank: int
+    model: str
+    last_seq: int | None
+    last_ts: float | None
+    age_s: float | None  # seconds between its last applied batch and the snapshot
+    stale: bool
+    stale_reason: str | None
+    batches: int
+    restarts: int
+    gaps: int
+    dropped: dict[str, int]
+    groups: list[GroupSnap]
+
+
+class ModelSnap(Struct, array_like=True, frozen=True):
+    name: str
+    trees: list[TreeSnap]
+    tiered: bool
+    idle: bool  # its last worker left (kept for its groups and block sizes)
+
+
+class OrphanSnap(Struct, array_like=True, frozen=True):
+    wid: int
+    group: int
+    parent_hash: Any
+    age_s: float
+    event: bytes  # the BlockStored as a one-event map-layout msgpack (wire.encode_stored)
+    tier: int
+
+
+class Body(Struct, frozen=True, kw_only=True):
+    created: float  # wall clock (time.time()) at the cut
+    tier_names: list[str]
+    next_wid: int
+    free_wids: list[int]
+    models: list[ModelSnap]
+    workers: list[WorkerSnap]
+    orphans: list[OrphanSnap]  # in arrival order (the oldest is dropped first)
+    engines: list[dict[str, Any]] = []  # the owner's engine registry (EngineConfig fields)
+    meta: dict[str, Any] = {}
+
+
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(Body)
+
+
+# ------------------------------------------------------------------ the file
+
+
+def _frame(body: bytes) -> bytes:
+    return _HEAD.pack(MAGIC, FORMAT_VERSION, 0, len(body), xxhash.xxh64_intdigest(body)) + body
+
+
+def dumps(index: PrefixIndex, *, engines: Iterable[dict[str, Any]] = (), meta: dict[str, Any] | None = None) -> bytes:
+    """The whole index (plus ``engines`` and ``meta``) as snapshot bytes. Holds the
+    index lock while it reads the columns (one consistent cut), not while node
+    addresses become indices or the body is encoded; changes nothing."""
+    with index._lock:
+        cut = _cut(index)
+    return _frame(_enc.encode(_assemble(cut, list(engines), dict(meta or {}))))
+
+
+class Snapshot:
+    """A checked, decoded snapshot: :meth:`restore` puts it into an empty index."""
+
+    def __init__(self, body: Body, size: int) -> None:
+        self.body = body
+        self.size = size
+        self.meta = body.meta
+        self.engines = body.engines
+        self.created = body.created
+
+    def restore(self, index: PrefixIndex, *, replace: bool = False) -> None:
+        """Rebuild the snapshot's state in ``index``, which must hold no worker yet unless
+        ``replace`` (then what it holds goes first). Its own settings (credits, caps,
+        bounds) stay; node caps apply from here on. A snapshot that cannot be restored
+        leaves the index empty (SnapshotError ``corrupt``)."""
+        with index._lock:
+            if replace:
+                index._clear()
+            elif index._workers or index._models:
+                raise ValueError("restore needs an empty index")
+            try:
+                _restore(index, self.body)
+            except (ValueError, IndexError, KeyError, TypeError, OverflowError, msgspec.DecodeError) as e:
+                index._clear()
+                raise SnapshotError("corrupt", f"{type(e).__name__}: {e}") from None
+
+    def workers(self) -> list[tuple[str, int, str, int | None]]:
+        """(engine, dp_rank, model, last_seq) of every worker in the snapshot."""
+        return [(w.engine, w.dp_rank, w.model, w.last_seq) for w in self.body.workers]
+
+
+def loads(data: bytes | bytearray | memoryview) -> Snapshot:
+    """Check and decode snapshot bytes. Raises :class:`SnapshotError`."""
+    data = memoryview(data)
+    if len(data) < HEADER_SIZE:
+        if bytes(data[: len(MAGIC)]) != MAGIC[: len(data)]:
+            raise SnapshotError("magic", "not a kv-prefix-indexer snapshot")
+        raise SnapshotError("truncated", f"{len(data)} bytes, shorter than the {HEADER_SIZE}-byte header")
+    magic, version, _flags, length, digest = _HEAD.unpack_from(data)
+    if magic != MAGIC:
+        raise SnapshotError("magic", "not a kv-prefix-indexer snapshot")
+    if version > FORMAT_VERSION or version < 1:
+        raise SnapshotError("version", f"format version {version}; this build reads 1..{FORMAT_VERSION}")
+    body = data[HEADER_SIZE:]
+    if len(body) != length:
+        raise SnapshotError("truncated" if len(body) < length else "corrupt",
+                            f"body is {len(body)} bytes, the header says {length}")
+    if xxhash.xxh64_intdigest(body) != digest:
+        raise SnapshotError("checksum", "the body's xxh64 does not match the header")
+    try:
+        return Snapshot(_dec.decode(body), len(data))
+    except msgspec.DecodeError as e:
+        raise SnapshotError("corrupt", str(e)) from None
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: a temporary file in the same directory,
+    fsync'd, renamed over ``path``, then the directory fsync'd. A crash leaves the
+    old file or the new one, never a mix."""
+    d = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------ the cut
+
+
+def _mask_bytes(m: int) -> bytes:
+    return m.to_bytes((m.bit_length() + 7) // 8, "little") if m else b""
+
+
+def _mask_int(b: bytes) -> int:
+    return int.from_bytes(b, "little")
+
+
+def _py_dump_tree(root: Node) -> tuple[bytes, bytes, bytes, list[int], list[tuple[int, Node]], bytes]:
+    """Walk one tree in preorder (iterative; node 0 is the root). Returns ``(parents,
+    keys, mask_ids, masks, extra, addrs)``: the uint32/uint64/uint32 columns of every
+    node but the root, the distinct GPU masks (ints) in order of first use, ``(index,
+    node)`` of the nodes with tiers or dups, and the uint64 address (``id()``) of
+    every node, the root first: :func:`_py_node_index` turns them into node indices
+    once the index lock is released. Read-only. ``_core.dump_tree`` is the compiled
+    twin (the same bytes: CPython's ``id()`` is the address)."""
+    addrs = array(_U64C, [id(root)])
+    parents = array(_U32)
+    keys = array(_U64C)
+    mids = array(_U32)
+    mask_ids: dict[int, int] = {}
+    masks: list[int] = []
+    extra: list[tuple[int, Node]] = []
+    stack: list[tuple[Node, int]] = []
+    kids: Any = root.kids
+    if kids is not None:
+        for child in (kids.values() if kids.__class__ is Kids else (kids,)):
+            stack.append((child, 0))
+    i = 0
+    while stack:
+        node, p = stack.pop()
+        i += 1
+        addrs.append(id(node))
+        parents.append(p)
+        keys.append(node.key)
+        m = node.gpu
+        mi = mask_ids.get(m)
+        if mi is None:
+            mi = mask_ids[m] = len(masks)
+            masks.append(m)
+        mids.append(mi)
+        if node.tiers is not None or node.dup is not None:
+            extra.append((i, node))
+        kids = node.kids
+        if kids is not None:
+            if kids.__class__ is Kids:
+                for child in kids.values():
+                    stack.append((child, i))
+            else:
+                stack.append((kids, i))
+    return _le(parents), _le(keys), _le(mids), masks, extra, _le(addrs)
+
+
+def _py_dump_map(wmap: Kids) -> tuple[bytes, bytes, list[tuple[Any, int]]]:
+    """A worker's engine-hash map as ``(uint64 hashes, uint64 node addresses, other)``:
+    ``other`` holds ``(hash, address)`` of the entries whose hash is not an int in
+    [0, 2**64) (bytes digests). Reads the map, not its nodes. ``_core.dump_map`` is
+    the compiled twin."""
+    hashes = array(_U64C)
+    addrs = array(_U64C)
+    other: list[tuple[Any, int]] = []
+    for h, node in wmap.items():
+        if h.__class__ is int and 0 <= h <= _U64:
+            hashes.append(h)
+            addrs.append(id(node))
+        else:
+            other.append((h, id(node)))
+    return _le(hashes), _le(addrs), other
+
+
+def _py_node_index(addrs: bytes) -> dict[int, int]:
+    """Address -> position of :func:`_py_dump_tree`'s addresses (a ValueError when one
+    is there twice: not a tree). ``_core.node_index`` is the compiled twin."""
+    a = _col(_U64C, addrs)
+    where = dict(zip(a, range(len(a))))
+    if len(where) != len(a) or 0 in where:
+        raise ValueError("node_index: an address twice, or 0 (not a tree)")
+    return where
+
+
+def _py_translate(where: Any, hashes: bytes, addrs: bytes) -> tuple[bytes, bytes]:
+    """:func:`_py_dump_map`'s columns with each address replaced by its node's index in
+    ``where``; entries it does not know (nodes the cap freed) are left out.
+    ``_core.translate`` is the compiled twin."""
+    hs, ads = _col(_U64C, hashes), _col(_U64C, addrs)
+    if len(hs) != len(ads):
+        raise ValueError(f"{len(hs)} hashes, {len(ads)} addresses")
+    ho, io = array(_U64C), array(_U32)
+    get = where.get
+    for h, a in zip(hs, ads):
+        i = get(a)
+        if i is not None:
+            ho.append(h)
+            io.append(i)
+    return _le(ho), _le(io)
+
+
+# What the index lock is held for: every column read, node references replaced by
+# their addresses (plain ints). Turning those into node indices (_assemble) needs no
+# node, so it runs after the lock is released: it was most of a dump's time.
+
+
+def _cut(index: PrefixIndex) -> dict[str, Any]:
+    """Read everything a snapshot holds (under the index lock); changes nothing."""
+    now = index._clock()
+    models = []
+    for name, mo in index._models.items():
+        trees = []
+        for g, tree in mo.trees.items():
+            parents, keys, mids, masks, extra, addrs = dump_tree(tree.root)
+            extras = [(i,
+                       None if n.tiers is None else [(t, _mask_bytes(v)) for t, v in n.tiers.items()],
+                       None if n.dup is None else list(n.dup.items())) for i, n in extra]
+            stamps = None if tree.stamps is None else [(id(n), st) for n, st in tree.stamps.items()]
+            trees.append((g, tree.block_size, mo.kinds.get(g), parents, keys, mids, masks, extras, addrs, stamps,
+                          tree.clock))
+        models.append((name, trees, mo.tiered, name in index._idle_models))
+    workers = []
+    wg_of: dict[int, tuple[int, int]] = {}  # id(_WG) -> (wid, group)
+    for w in index._workers.values():
+        groups = []
+        for g, wg in w.groups.items():
+            wg_of[id(wg)] = (w.wid, g)
+            hashes, addrs, other = dump_map(wg.map)
+            ends = [(tid, [id(n) for n in em], list(em.values())) for tid, em in wg.ends.items()]
+            groups.append((g, hashes, addrs, other, list(wg.res), ends))
+        # The worker's record now (its fields change with the next batch); its groups'
+        # columns are translated to node indices after the lock.
+        workers.append((WorkerSnap(
+            w.wid, w.engine, w.dp_rank, w.model, w.last_seq, w.last_ts,
+            None if w.last_apply is None else max(0.0, now - w.last_apply), w.stale, w.stale_reason,
+            w.batches, w.restarts, w.gaps, dict(w.dropped), []), groups))
+    orphans: list[OrphanSnap] = []
+    for t, wg, ph, entry in index._orphan_queue:
+        lst = wg.orphans.get(ph)
+        if lst is None or not any(e is entry for e in lst) or id(wg) not in wg_of:
+            continue  # adopted or dropped already
+        wid, g = wg_of[id(wg)]
+        orphans.append(OrphanSnap(wid, g, ph, max(0.0, now - t), encode_stored(entry[0]), entry[1]))
+    return {"models": models, "orphans": orphans, "created": time.time(), "tier_names": list(index._tier_names),
+            "next_wid": index._next_wid, "free_wids": list(index._free_wids), "workers": workers}
+
+
+def _assemble(cut: dict[str, Any], engines: list[dict[str, Any]], meta: dict[str, Any]) -> Body:
+    """The snapshot's body from what :func:`_cut` read: addresses become node indices.
+    Reads no node (the index lock is not held)."""
+    models: list[ModelSnap] = []
+    where: dict[tuple[str, int], Any] = {}  # (model, group) -> address -> node index
+    for name, trees_raw, tiered, idle in cut["models"]:
+        trees = []
+        for g, block_size, kind, parents, keys, mids, masks, extras, addrs, stamps_raw, clock in trees_raw:
+            pos = where[(name, g)] = node_index(addrs)
+            stamps = None
+            if stamps_raw is not None:
+                st = array(_U64C, bytes(2 * len(parents)))  # 8 bytes per node: parents has 4
+                get = pos.get
+                for a, stamp in stamps_raw:
+                    i = get(a)
+                    if i:
+                        st[i - 1] = stamp
+                stamps = _le(st)
+            trees.append(TreeSnap(g, block_size, kind, parents, keys, mids, [_mask_bytes(m) for m in masks], extras,
+                                  stamps, clock))
+        models.append(ModelSnap(name, trees, tiered, idle))
+    workers: list[WorkerSnap] = []
+    for ws, groups_raw in cut["workers"]:
+        model = ws.model
+        groups = []
+        for g, hashes, addrs, other_raw, res, ends_raw in groups_raw:
+            pos = where.get((model, g))
+            if pos is None:  # no tree (only orphans so far): no node to name
+                hashes = idx = b""
+                other: list[tuple[Any, int]] = []
+                ends: list[tuple[int, bytes, bytes]] = []
+            else:
+                hashes, idx = translate(pos, hashes, addrs)
+                get = pos.get
+                other = [(h, i) for h, i in ((h, get(a)) for h, a in other_raw) if i is not None]
+                ends = []
+                for tid, end_addrs, blocks in ends_raw:
+                    ni, nb = array(_U32), array(_U32)
+                    for a, n in zip(end_addrs, blocks):
+                        i = get(a)
+                        if i is not None:
+                            ni.append(i)
+                            nb.append(n)
+                    ends.append((tid, _le(ni), _le(nb)))
+            groups.append(GroupSnap(g, hashes, idx, other, res, ends))
+        workers.append(msgspec.structs.replace(ws, groups=groups))
+    return Body(created=cut["created"], tier_names=cut["tier_names"], next_wid=cut["next_wid"],
+                free_wids=cut["free_wids"], models=models, workers=workers, orphans=cut["orphans"],
+                engines=engines, meta=meta)
+
+
+# ---------------------------------------------------------------- the restore
+
+
+def _py_load_tree(root: Node, parents: bytes, keys: bytes, mask_ids: bytes, masks: Sequence[int]) -> list[Node]:
+    """Create every node of a dumped tree under ``root`` (preorder: each parent exists
+    before its children). Returns the nodes, the root first."""
+    nodes: list[Node] = [root]
+    append = nodes.append
+    par = _col(_U32, parents)
+    ks = _col(_U64C, keys)
+    mids = _col(_U32, mask_ids)
+    if not len(par) == len(ks) == len(mids):
+        raise ValueError("tree columns of different lengths")
+    n = len(nodes)
+    for p, k, mi in zip(par, ks, mids):
+        if p >= n:
+            raise ValueError(f"node {n} names parent {p}, not created before it")
+        parent = nodes[p]
+        node = Node(k, parent, None, masks[mi])
+        link_child(parent, k, node)
+        append(node)
+        n += 1
+    return nodes
+
+
+def _py_load_map(wmap: Kids, hashes: bytes, idx: bytes, nodes: list[Node]) -> None:
+    """Put ``hashes[i] -> nodes[idx[i]]`` into a worker's map (the columns
+    :func:`_py_dump_map` wrote). ``_core.load_map`` is the compiled twin."""
+    hs, ix = _col(_U64C, hashes), _col(_U32, idx)
+    n = len(hs)
+    if n != len(ix):
+        raise ValueError(f"{n} hashes, {len(ix)} node indices")
+    # Scattered, not in the columns' order: that is the source table's slot order, which
+    # piles inserts into long probe runs in a growing table (see _core.load_map).
+    stride = _load_stride(n)
+    j = 0
+    for _ in range(n):
+        wmap[hs[j]] = nodes[ix[j]]
+        j += stride
+        if j >= n:
+            j -= n
+
+
+def _load_stride(n: int) -> int:
+    """The step of :func:`_py_load_map`'s order: coprime with ``n``, so every entry comes once."""
+    if n <= 2:
+        return 1
+    s = 0x9E3779B97F4A7C15 % n or 1
+    while math.gcd(s, n) != 1:
+        s += 1
+    return s
+
+
+# The compiled twins when the core has them (an older build, or KVI_PURE_PYTHON=1: the
+# pure ones); tests/test_snapshot.py holds both to the same bytes and nodes.
+dump_tree = getattr(_core, "dump_tree", None) or _py_dump_tree
+dump_map = getattr(_core, "dump_map", None) or _py_dump_map
+node_index = getattr(_core, "node_index", None) or _py_node_index
+translate = getattr(_core, "translate", None) or _py_translate
+load_tree = getattr(_core, "load_tree", None) or _py_load_tree
+load_map = getattr(_core, "load_map", None) or _py_load_map
+
+
+def _restore(index: PrefixIndex, body: Body) -> None:
+    index._tier_names[:] = body.tier_names
+    index._tier_ids.clear()
+    index._tier_ids.update((n, i) for i, n in enumerate(body.tier_names))
+    index._tier_cache.clear()
+    index._tier_cache[None] = 0
+    capped = index.max_nodes is not None
+    nodes_of: dict[tuple[str, int], list[Node]] = {}
+    for ms in body.models:
+        mo = index._models[ms.name] = _Model(ms.name)
+        mo.tiered = ms.tiered
+        if ms.idle:
+            index._idle_models[ms.name] = None
+        for ts in ms.trees:
+            tree = Tree(ts.group, ts.block_size, capped)
+            masks = [_mask_int(b) for b in ts.masks]
+            nodes = load_tree(tree.root, ts.parents, ts.keys, ts.mask_ids, masks)
+            tree.nodes = len(nodes) - 1
+            for i, tiers, dup in ts.extras:
+                node = nodes[i]
+                if tiers is not None:
+                    node.tiers = {t: _mask_int(b) for t, b in tiers}
+                if dup is not None:
+                    node.dup = dict(dup)
+            if capped:
+                _restamp(tree, nodes, ts.stamps, ts.clock)
+            mo.trees[ts.group] = tree
+            mo.set_kind(ts.group, ts.kind)
+            nodes_of[(ms.name, ts.group)] = nodes
+    by_wid: dict[int, _Worker] = {}
+    now = index._clock()
+    for ws in body.workers:
+        wmo = index._models.get(ws.model)
+        if wmo is None:
+            wmo = index._models[ws.model] = _Model(ws.model)
+        mo = wmo
+        w = _Worker(ws.wid, ws.engine, ws.dp_rank, ws.model, mo.rows)
+        w.last_seq, w.last_ts = ws.last_seq, ws.last_ts
+        # Monotonic clocks do not survive a process: age the last apply by the downtime.
+        w.last_apply = None if ws.age_s is None else now - ws.age_s - max(0.0, time.time() - body.created)
+        w.stale, w.stale_reason = ws.stale, ws.stale_reason
+        w.batches, w.restarts, w.gaps, w.dropped = ws.batches, ws.restarts, ws.gaps, dict(ws.dropped)
+        for gs in ws.groups:
+            nodes = nodes_of.get((ws.model, gs.group), [])
+            w.groups[gs.group] = _load_group(gs, nodes, index.max_tiers)
+        w.refresh()
+        if (ws.engine, ws.dp_rank) in index._workers or ws.wid in by_wid:
+            raise ValueError(f"worker {ws.engine}/{ws.dp_rank} (wid {ws.wid}) twice")
+        index._workers[(ws.engine, ws.dp_rank)] = w
+        mo.workers[ws.wid] = w
+        mo.ranked = False
+        by_wid[ws.wid] = w
+    index._next_wid = body.next_wid
+    index._free_wids[:] = body.free_wids
+    t0 = index._clock()
+    for o in body.orphans:
+        w = by_wid[o.wid]
+        wg = w.groups.get(o.group)
+        if wg is None:
+            wg = w.groups[o.group] = _WG()
+        entry = (decode_stored(o.event), o.tier)
+        wg.orphans.setdefault(o.parent_hash, []).append(entry)
+        index._orphan_queue.append((t0 - o.age_s, wg, o.parent_hash, entry))
+        index._orphans += 1
+
+
+def _load_group(gs: GroupSnap, nodes: list[Node], max_tiers: int) -> _WG:
+    wg = _WG()
+    wmap = wg.map
+    load_map(wmap, gs.hashes, gs.nodes, nodes)
+    for h, i in gs.other:
+        wmap[h] = nodes[i]
+    res = list(gs.res)[:max_tiers]
+    wg.res[: len(res)] = res
+    for tid, ni, nb in gs.ends:
+        ia, na = _col(_U32, ni), _col(_U32, nb)
+        if len(ia) != len(na):
+            raise ValueError(f"group {gs.group}: chunk ends of different lengths")
+        wg.ends[tid] = {nodes[i]: n for i, n in zip(ia, na)}
+    return wg
+
+
+def _restamp(tree: Tree, nodes: list[Node], stamps: bytes | None, clock: int) -> None:
+    """Capped trees: each node's store stamp (preorder when the snapshot had none), the
+    leaves heap rebuilt from them."""
+    st = tree.stamps
+    assert st is not None
+    if stamps is None:
+        for i in range(1, len(nodes)):
+            st[nodes[i]] = i
+        tree.clock = len(nodes)
+    else:
+        for i, s in enumerate(_col(_U64C, stamps), 1):
+            if s:
+                st[nodes[i]] = s
+        tree.clock = clock
+    tree._rebuild_leaves()
+
