@@ -81,11 +81,6 @@ def test_one_parser_behind_every_entry_point():
     assert r.returncode == 0 and r.stdout.startswith("usage: kv-indexer ")
     assert commands(r.stdout) == expected
     assert r.stdout.split("options:", 1)[1] == module.stdout.split("options:", 1)[1]
-    # python -m indexer.producer.sim: an alias of `simulate` (same options).
-    alias = run(sys.executable, "-m", "indexer.producer.sim", "--help")
-    sim = run(sys.executable, "-m", "indexer", "simulate", "--help")
-    assert alias.returncode == sim.returncode == 0
-    assert alias.stdout.split("options:", 1)[1] == sim.stdout.split("options:", 1)[1]
     # No command: the help, exit 2.
     none = run(sys.executable, "-m", "indexer")
     assert none.returncode == 2 and commands(none.stderr) == expected
@@ -159,5 +154,5 @@ def test_simulate_runs_without_the_trace():
     assert "60 synthetic requests" in r.stderr
     out = json.loads(r.stdout)
     assert [s["policy"] for s in out] == ["round_robin", "index"] and all(s["requests"] == 60 for s in out)
-    r = run(sys.executable, "-m", "indexer.producer.sim", "--requests", "20", "--engines", "2", env=NO_TRACE)
+    r = run(sys.executable, "-m", "indexer", "simulate", "--requests", "20", "--engines", "2", env=NO_TRACE)
     assert r.returncode == 0 and r.stdout.startswith("20 synthetic requests, 2 engines"), r.stderr

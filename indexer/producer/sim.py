@@ -403,15 +403,3 @@ def compare_policies(requests: list[Request], engines: int = 8, *,
         idx.close()
     return out
 
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m indexer.producer.sim``: an alias of ``kv-indexer simulate`` (the same parser)."""
-    import sys
-
-    from api.cli import main as cli_main
-
-    return cli_main(["simulate", *(sys.argv[1:] if argv is None else argv)], prog="python -m indexer.producer.sim")
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

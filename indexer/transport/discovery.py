@@ -16,12 +16,27 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from indexer.ingest.live import Indexer
 from indexer.wire.engines import EngineConfig
 
-__all__ = ["DnsDiscovery", "resolve_addresses"]
+if TYPE_CHECKING:
+    from indexer.query.index import PrefixIndex
+
+__all__ = ["DnsDiscovery", "Registry", "resolve_addresses"]
+
+
+class Registry(Protocol):
+    """What discovery changes: the engines of an ingest (``Indexer`` is one), and the
+    counters of its index. Discovery sits below the ingests and names only this."""
+
+    index: PrefixIndex
+
+    def engines(self) -> list[EngineConfig]: ...
+
+    def add_engine(self, engine: Any = None, *, via: str = "library", **fields: Any) -> EngineConfig: ...
+
+    def remove_engine(self, engine_id: str, dp_rank: int | None = None, *, via: str = "library") -> bool: ...
 
 log = logging.getLogger("kv_indexer.discovery")
 
@@ -41,7 +56,7 @@ class DnsDiscovery:
 
     def __init__(
         self,
-        indexer: Indexer,
+        indexer: Registry,
         name: str,
         *,
         port: int = 5557,
