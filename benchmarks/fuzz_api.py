@@ -1,6 +1,6 @@
 """A long schemathesis run over the whole API of a real ``kv-indexer serve`` (R-BAD-1, R-BAD-2).
 
-The short, bounded version runs in CI (tests/test_schemathesis.py: 40 examples per
+The short, bounded version runs in CI (tests/service/test_schemathesis.py: 40 examples per
 operation). This one starts its own ``kv-indexer serve`` on 127.0.0.1 (a free port,
 ``--max-request-tokens 4096`` as in the test, engines allowed on loopback only:
 ``KVI_ALLOWED_ENDPOINTS=127.0.0.1``), registers one engine fed by a vLLM-wire publisher
@@ -56,7 +56,7 @@ from indexer.producer.publisher import VllmPublisher  # noqa: E402
 from svc import Server, wait_for, wait_subscribed  # noqa: E402
 
 MAX_TOKENS = 4096
-# As tests/test_schemathesis.py: operations whose rules a schema cannot state, answered
+# As tests/service/test_schemathesis.py: operations whose rules a schema cannot state, answered
 # with a documented 4xx, skip "schema-valid data is accepted" (an engine's ports <= 65535,
 # worker names in a route's candidates and load, Dynamo's 400s); 413 is the documented
 # size rejection (R-BAD-2).

@@ -1,4 +1,4 @@
-"""The live frames fuzzer of tests/test_fuzz_frames.py, run long (R-DEC-3, R-BAD-3).
+"""The live frames fuzzer of tests/service/test_fuzz_frames.py, run long (R-DEC-3, R-BAD-3).
 
 The same property as the CI test (150 derandomized examples there): a live ``Indexer``
 over real ZMQ sockets indexes good vLLM batches, then takes hypothesis-generated

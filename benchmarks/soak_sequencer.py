@@ -6,7 +6,7 @@ never; restarts on hosts whose clock is behind.
 Each world ends with every worker either exactly equal to an independent model of what
 its engine holds (tests/seqsim.py: dicts, no PrefixIndex) or stale with a reason; in
 honest worlds (replay endpoints that answer whole and in order) never stale. The short,
-fixed-seed version runs in CI (tests/test_sequencer.py); this one runs for minutes:
+fixed-seed version runs in CI (tests/unit/test_sequencer.py); this one runs for minutes:
 
     .venv/bin/python benchmarks/soak_sequencer.py --worlds 400 --steps 3000
 

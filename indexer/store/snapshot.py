@@ -504,7 +504,7 @@ def _load_stride(n: int) -> int:
 
 
 # The compiled twins when the core has them (an older build, or KVI_PURE_PYTHON=1: the
-# pure ones); tests/test_snapshot.py holds both to the same bytes and nodes.
+# pure ones); tests/service/test_snapshot.py holds both to the same bytes and nodes.
 dump_tree = getattr(_core, "dump_tree", None) or _py_dump_tree
 dump_map = getattr(_core, "dump_map", None) or _py_dump_map
 node_index = getattr(_core, "node_index", None) or _py_node_index

@@ -2,7 +2,7 @@
 an adversarial soak against an independent model (tests/seqsim.py).
 
 The transport here is the harness's (no sockets): the same ``Stream`` runs behind real
-ZMQ in tests/test_continuity.py. Being fast, these tests are also what the mutation
+ZMQ in tests/service/test_continuity.py. Being fast, these tests are also what the mutation
 run exercises (docs/mutation.md).
 """
 

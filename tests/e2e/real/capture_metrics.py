@@ -2,7 +2,7 @@
 once busy (more requests than ``--max-num-seqs``, so some wait). The scraper's tests
 read these captures instead of hand-written expositions.
 
-Usage: ``python tests/real/capture_metrics.py URL MODEL`` with an engine started with
+Usage: ``python tests/e2e/real/capture_metrics.py URL MODEL`` with an engine started with
 ``--max-num-seqs 2`` (any engine works; the busy capture needs requests to queue).
 """
 
@@ -16,7 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parents[1] / "data" / "vllm-metrics"
+OUT = Path(__file__).resolve().parents[2] / "data" / "vllm-metrics"
 
 
 def scrape(url: str) -> str:

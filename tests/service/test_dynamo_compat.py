@@ -16,7 +16,7 @@ from indexer.producer.publisher import VllmPublisher
 from indexer.producer.events import Stored
 from svc import Client, Server, free_port, wait_for, wait_subscribed
 
-REC = json.loads((Path(__file__).parent / "data" / "dynamo" / "recorded.json").read_text())["exchanges"]
+REC = json.loads((Path(__file__).resolve().parents[1] / "data" / "dynamo" / "recorded.json").read_text())["exchanges"]
 BS = 16
 TOK = list(range(1000, 1000 + BS * 8))
 B = [TOK[i * BS : (i + 1) * BS] for i in range(8)]

@@ -20,7 +20,7 @@ from api.cli import build_parser, demo_requests
 from api.decode_tool import decode
 from indexer.producer.offline import demo
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NO_TRACE = {"KVI_TRACE": "/nonexistent/conversation_trace.jsonl"}
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tests.svc import Server
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _child(code: str) -> str:

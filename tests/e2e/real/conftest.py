@@ -1,7 +1,7 @@
 """The real-engine tier: the index held to real vLLM engines (CPU build) on 127.0.0.1.
 
 Every test here is marked ``real_engine``. The engines run in their own venv, made by
-``tests/real/engine_env.sh`` (the README's test command calls it); ``KVI_ENGINE_VENV``
+``tests/e2e/real/engine_env.sh`` (the README's test command calls it); ``KVI_ENGINE_VENV``
 names another one. Without a usable engine venv the tier fails in CI (``CI=true``),
 saying why, and is skipped elsewhere with the same reason. The model and its
 tokenizer are made here (``make_model.py``): nothing is downloaded.
@@ -40,7 +40,7 @@ def engine_python() -> str:
     if failed.exists():
         _unusable(f"{venv}: {failed.read_text().strip()}")
     if not (venv / ".kvi-engine-env-ok").exists():
-        _unusable(f"no engine venv at {venv} (make it with: bash tests/real/engine_env.sh {venv})")
+        _unusable(f"no engine venv at {venv} (make it with: bash tests/e2e/real/engine_env.sh {venv})")
     return str(venv / "bin" / "python")
 
 

