@@ -81,19 +81,20 @@ def install() -> None:
         sys.meta_path.append(_MovedFinder())
 
 
-def package_getattr(package: str, old: str, new: str) -> Callable[[str], object]:
-    """A package ``__getattr__`` that serves the names of module ``new`` (once module
-    ``old``, whose name the package now has), with a DeprecationWarning."""
+def package_getattr(package: str, old: str, new: str, names: tuple[str, ...]) -> Callable[[str], object]:
+    """A package ``__getattr__`` that serves ``names`` (the public names of module ``old``,
+    whose name the package now has) from module ``new``, with a DeprecationWarning.
+    Any other name is an AttributeError, so a submodule import (``from pkg import sub``)
+    never picks up a name of ``new`` by accident."""
+    served = frozenset(names)
 
     def __getattr__(name: str) -> object:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        module = importlib.import_module(new)
-        try:
-            value = getattr(module, name)
-        except AttributeError:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
+        if name not in served:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(new), name)
         _warn(f"{old}.{name}", f"{new}.{name}")
+        # Kept on the package: one warning per name, not one per attribute read.
+        setattr(sys.modules[package], name, value)
         return value
 
     return __getattr__

@@ -5,3 +5,8 @@
 engines' sequenced batches published to that log), ``eventlog`` (the log's messages
 and set-up) and ``background`` (the thread, ``with`` and ``astart`` both share).
 """
+
+from indexer._compat import package_getattr
+
+# ``indexer.ingest`` was the ``Indexer`` module before it became this package.
+__getattr__ = package_getattr(__name__, "indexer.ingest", "indexer.ingest.live", ("Indexer",))

@@ -8,4 +8,4 @@ block) and ``index`` (``PrefixIndex``: the store and the queries as one object).
 from indexer._compat import package_getattr
 
 # ``indexer.query`` was the ``Query`` module before it became this package.
-__getattr__ = package_getattr(__name__, "indexer.query", "indexer.query.match")
+__getattr__ = package_getattr(__name__, "indexer.query", "indexer.query.match", ("Query",))

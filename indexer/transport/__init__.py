@@ -8,4 +8,4 @@
 from indexer._compat import package_getattr
 
 # ``indexer.transport`` was the ZMQ module before it became this package.
-__getattr__ = package_getattr(__name__, "indexer.transport", "indexer.transport.sockets")
+__getattr__ = package_getattr(__name__, "indexer.transport", "indexer.transport.sockets", ("ZmqTransport",))

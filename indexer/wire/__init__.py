@@ -9,4 +9,7 @@ block keys the trees are keyed by. Imports nothing of ours but ``indexer._native
 from indexer._compat import package_getattr
 
 # ``indexer.wire`` was the decoder module before it became this package.
-__getattr__ = package_getattr(__name__, "indexer.wire", "indexer.wire.decode")
+__getattr__ = package_getattr(__name__, "indexer.wire", "indexer.wire.decode", (
+    "STORED", "REMOVED", "CLEARED", "DecodeError", "DecodedBatch", "decode_batch", "raw_array_len", "decode_tokens",
+    "token_bytes", "encode_stored", "decode_stored", "decode_event", "scan_gpu_batch",
+))
