@@ -18,7 +18,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DYNAMO_PY = ROOT / ".venv-dynamo" / "bin" / "python"
 
-# Targets from the brief (printed next to the figures).
+# The project's targets (printed next to the figures).
 TARGET_APPLY_BLOCKS_S = 1_000_000
 TARGET_MATCH_1K_8W_US = 20.0
 TARGET_BYTES_PER_ENTRY = 150

@@ -106,7 +106,7 @@ def breakdown(items, block_size: int, total_s: float) -> None:
 
     try:
         from indexer.wire.decode import decode_tokens
-    except ImportError:  # the lead may move it
+    except ImportError:  # a checkout older than decode_tokens (the --src comparisons)
         decode_tokens = None
     t0 = time.perf_counter()
     batches = [decode_batch(pl) for _, _, pl in items]

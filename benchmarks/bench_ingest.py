@@ -14,7 +14,7 @@ What is measured:
   ``--qps`` per second the whole time and reports their latency (median, p99,
   max) under that load, and the ingest figure with queries running.
 
-Target (issue 3): >= 1,000,000 blocks/s end to end on this 2-core machine.
+Target: >= 1,000,000 blocks/s end to end on this 2-core machine.
 
     .venv/bin/python benchmarks/bench_ingest.py [--quick] [--events-per-batch N] [--queries]
 """

@@ -1,4 +1,4 @@
-"""Hot-path cost of routing under real timing (issue 13): ``match`` and ``route`` before and
+"""Hot-path cost of routing under real timing: ``match`` and ``route`` before and
 after the index learned to record its decisions.
 
 What is measured, single thread, ``time.perf_counter_ns`` around each call, ``--calls``
@@ -12,7 +12,7 @@ one-worker hit, prefix-only hit, miss):
   load), with ``--in-flight`` requests already in flight (predictions on random workers).
 
 ``--src DIR`` runs the same calls on another checkout's ``indexer`` (e.g. a ``git worktree``
-of the commit before issue 13, with this tree's compiled core copied in); there ``route``
+of a commit from before decisions were recorded, with this tree's compiled core copied in); there ``route``
 has no ``record`` and is measured as the dry run. Run both, alternating, and compare::
 
     git worktree add /tmp/before 37507e0 && cp indexer/_core*.so /tmp/before/indexer/

@@ -1,4 +1,4 @@
-"""Cost of text prompts (issue 18): tokens/s of the tokenizer and chat template, and what
+"""Cost of text prompts: tokens/s of the tokenizer and chat template, and what
 tokenizing adds to a route, for ~1k- and ~32k-token prompts.
 
 The tokenizer is a byte-level BPE trained here (``--vocab``, default 32,000 on ~4 MB of

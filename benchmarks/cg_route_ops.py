@@ -1,6 +1,6 @@
 """Instruction counts of one query (valgrind callgrind): run this under callgrind twice,
 with N calls and with 0, and divide the difference by N. Used for the before/after of
-issue 13 in docs/benchmarks.md, where wall-clock medians on a shared 2-core machine moved
+recorded routing decisions in docs/benchmarks.md, where wall-clock medians on a shared 2-core machine moved
 by +-40% between runs of the same code.
 
     python benchmarks/cg_route_ops.py SRC OP N
@@ -10,7 +10,7 @@ by +-40% between runs of the same code.
 
 The index: the anchor workload, 8 workers x 200 sequences; the queries: the four 1,024-token
 kinds of bench_match.py in turn; ``record`` first routes 200 random prompts (in flight), and
-its baseline is ``record 0``. A checkout from before issue 13 has no ``record``: its ``dry``
+its baseline is ``record 0``. A checkout from before decisions were recorded has no ``record``: its ``dry``
 is its plain ``route``.
 """
 

@@ -11,7 +11,7 @@ What is measured (``dynamo.llm.RadixTree`` of ai-dynamo-runtime 1.6.1, single ca
 * ``--mode apply``: best of ``--runs`` fresh trees.
   *JSON in*: ``apply_event(worker_id, event_json)`` over pre-built ``KvCacheEvent``
   JSON (local block hashes already computed: tree work + JSON parse only; this
-  is how ``shared/reference/dynamo-indexer.md`` §4.3 measured it).
+  is how Dynamo's own indexer benchmark measures it).
   *vLLM payload in*: the same vLLM msgpack payloads our index takes, decoded with
   msgspec, hashed with ``compute_block_hash_for_seq`` and re-encoded as JSON in
   Python before ``apply_event`` (the same work our ``PrefixIndex.apply`` does).

@@ -1,4 +1,4 @@
-"""The sequencer's long adversarial soak (issue 19): many seeded worlds of engines that
+"""The sequencer's long adversarial soak: many seeded worlds of engines that
 restart (losing their new incarnation's first batches), reconnect, lose live batches,
 overrun their replay ring, and answer replays late, twice, out of order, cut short or
 never; restarts on hosts whose clock is behind.

@@ -5,7 +5,7 @@ either as vLLM batch payloads (``indexer.producer.events.encode_batch``, vLLM 0.
 layout) for our index or as NVIDIA Dynamo ``KvCacheEvent`` JSON for its
 ``RadixTree`` (``peer_dynamo.py``), so both sides see the same stream.
 
-**Anchor workload** (``shared/reference/dynamo-indexer.md`` §4.3), default parameters:
+**Anchor workload** (the shape of Dynamo's own indexer benchmark), default parameters:
 
 * ``workers`` (8) engines, each caching ``seqs`` (2000) sequences of ``blocks`` (64)
   blocks of ``block_size`` (16) tokens;
@@ -28,7 +28,7 @@ long sequences per worker at the end: one identical on all workers and one
 unique to the worker, each prefix + ``long_blocks - prefix_blocks`` blocks.
 
 **Mooncake workload** (:func:`mooncake_events`): the FAST'25 conversation trace
-(``shared/data/mooncake/conversation_trace.jsonl``, read in place). Request ``r``
+(``../shared/data/mooncake/conversation_trace.jsonl`` beside the checkout, read in place). Request ``r``
 goes to worker ``r % workers``; each ``hash_id`` expands to 512 deterministic
 tokens (32 blocks of 16). Each worker is an LRU prefix cache of
 ``capacity_blocks`` blocks (Dynamo's mock engine has 16,384): a request stores
