@@ -139,7 +139,7 @@ def test_R_KEY_1_lora_name_repeated_in_extra_keys_is_normalized():
 
 
 def _readme_msgpack(obj) -> bytes:
-    """The MessagePack bytes of the README's ``[lora, [parts...]]`` for short strings:
+    """The MessagePack bytes of docs/design.md's ``[lora, [parts...]]`` for short strings:
     written out by hand from the MessagePack spec (fixarray 0x90|n, fixstr 0xa0|len,
     nil 0xc0), so the reference shares no encoder with ``indexer.wire.keys``."""
     if obj is None:
@@ -153,17 +153,17 @@ def _readme_msgpack(obj) -> bytes:
 
 
 def _readme_seed(lora, parts) -> int:
-    """README, Semantics: ``seed = xxh3_64(b"kvpi-ns1" + msgpack([lora, parts]), 1337)``."""
+    """docs/design.md, block keys: ``seed = xxh3_64(b"kvpi-ns1" + msgpack([lora, parts]), 1337)``."""
     return xxhash.xxh3_64_intdigest(b"kvpi-ns1" + _readme_msgpack([lora, list(parts)]), seed=1337)
 
 
 def _readme_key(tokens, seed) -> int:
-    """README: xxh3-64 of the block's token ids as little-endian uint32."""
+    """docs/design.md: xxh3-64 of the block's token ids as little-endian uint32."""
     return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(tokens)}I", *tokens), seed=seed)
 
 
 def test_R_KEY_1_R_KEY_2_readme_namespace_seed_formula_is_what_the_index_uses():
-    """A caller computing keys from the README alone (xxhash, MessagePack by hand,
+    """A caller computing keys from docs/design.md alone (xxhash, MessagePack by hand,
     seed 1337) gets ``namespace_seed``'s seeds and the keys the index stores for a
     real vLLM LoRA + salt event, so ``match_by_keys`` with them finds every block."""
     # The hand encoder is right about the spec: a known vector.
