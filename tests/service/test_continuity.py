@@ -13,7 +13,6 @@ import random
 import time
 
 import pytest
-import zmq
 
 from evkit import ehashes, removed
 from indexer.wire.engines import EngineConfig
@@ -21,7 +20,7 @@ from indexer.ingest.live import Indexer
 from indexer.producer.publisher import VllmPublisher
 from seqsim import Model
 from svc import wait_until
-from test_ingest import BS, P, ManualReplay, Rec, assert_same_index, free_ports, gpu, ready, reference, rig, total, wi  # noqa: F401 (rig: the fixture)
+from test_ingest import BS, P, ManualReplay, Rec, assert_same_index, gpu, ready, reference, rig, total, try_bind, wi  # noqa: F401 (rig: the fixture)
 
 
 class Engine:
@@ -29,18 +28,16 @@ class Engine:
 
     def __init__(self, rig, replay: bool = True) -> None:
         self.rig = rig
-        self.port = free_ports(1)
-        self.rport = free_ports(1) if replay else None
+        # Fixed ports: the engine comes back on the same ones. Held for the test (bound,
+        # never listening: see svc.PortHold), so no other process takes them meanwhile.
+        self.port = rig.hold().port
+        self.rport = rig.hold().port if replay else None
         self.rec = Rec(self._bind(), "e1")
 
     def _bind(self) -> VllmPublisher:
-        for _ in range(100):  # the old process's ports may take a moment to free
-            try:
-                return self.rig.pub(f"tcp://127.0.0.1:{self.port}",
-                                    f"tcp://127.0.0.1:{self.rport}" if self.rport else None, bind=True)
-            except zmq.ZMQError:
-                time.sleep(0.02)
-        raise AssertionError("could not bind the engine's ports again")
+        # The old process's ports may take a moment to free.
+        return wait_until(lambda: try_bind(self.rig, self.port, self.rport), 5,
+                          msg=f"the engine's ports {self.port}, {self.rport} bound again")
 
     @property
     def config(self) -> EngineConfig:
@@ -62,7 +59,7 @@ def reconnected(ix, n: int, engine: str = "e1") -> None:
     """Wait for the ``n``-th reconnect of the worker's SUB (its ``n + 1``-th connect)."""
     wait_until(lambda: wi(ix, engine)["connects"] > n and wi(ix, engine)["connected"],
                timeout=10, msg=lambda: f"SUB reconnected: {wi(ix, engine)}")
-    time.sleep(0.2)  # the ZMTP handshake carries the subscription
+    ready(ix, engine)  # and its subscription live: probed (the ZMTP handshake carries it)
 
 
 def old_then_restart(rig, lost: int, replay: bool = True):

@@ -17,13 +17,13 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
+import urllib.error
 import urllib.request
 
 import pytest
 import yaml
 
-from svc import ROOT, free_port
+from svc import ROOT, bound_port, wait_until
 
 CHART = ROOT / "helm" / "kv-prefix-indexer"
 TEMPLATES = sorted(p for p in (CHART / "templates").glob("*.yaml"))
@@ -1073,21 +1073,25 @@ def test_the_image_install_step_works_in_a_fresh_venv_and_the_entry_point_starts
     probe = subprocess.run([py, "-c", "import indexer.store.tree as t; print(t.COMPILED)"], cwd=tmp_path,
                            capture_output=True, text=True, timeout=60)
     assert probe.stdout.strip() == "True", probe.stderr[-2000:]
-    port = free_port()
-    env = {**os.environ, "KVI_HOST": "127.0.0.1", "KVI_PORT": str(port), "KVI_LOG_JSON": "true"}
-    proc = subprocess.Popen([str(exe), "serve"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    # Port 0: the server binds a free port itself and logs it (uvicorn's start-up line).
+    env = {**os.environ, "KVI_HOST": "127.0.0.1", "KVI_PORT": "0", "KVI_LOG_JSON": "true"}
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(exe), "serve"], cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
+        port = bound_port(log.read_text, proc, "the installed kv-indexer serve")
+
+        def healthz():
+            assert proc.poll() is None, log.read_text()
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
-                    assert r.status == 200 and json.load(r) == {"status": "ok"}
-                    break
+                    return (r.status, json.load(r))
+            except urllib.error.HTTPError:
+                raise  # it answered, and not 200
             except OSError:
-                assert time.monotonic() < deadline, "the entry point did not answer /healthz"
-                time.sleep(0.1)
+                return None  # not listening yet
+
+        assert wait_until(healthz, 30, 0.1, msg="the entry point to answer /healthz") == (200, {"status": "ok"})
     finally:
         proc.terminate()
         proc.wait(10)

@@ -11,7 +11,7 @@ import pytest
 from evkit import store, toks
 from indexer.transport.discovery import DnsDiscovery, resolve_addresses
 from indexer.ingest.live import Indexer
-from svc import free_port, wait_for, wait_subscribed
+from svc import endpoint_port, wait_for, wait_subscribed
 
 
 class Fake:
@@ -110,8 +110,8 @@ def test_max_workers_and_bad_settings_are_reported_not_fatal():
 
 def test_the_standard_resolver_and_the_service_discover_localhost(pubs, serve):
     assert "127.0.0.1" in resolve_addresses("localhost")
-    port = free_port()
-    pub = pubs(f"tcp://127.0.0.1:{port}")
+    pub = pubs()  # an ephemeral port, bound by the publisher itself
+    port = endpoint_port(pub.live_endpoint)
     s = serve(env={"KVI_DISCOVERY": f'{{"dns_name": "localhost", "port": {port}, "interval_s": 0.2}}'})
     api = s.client
     wait_for(lambda: any(e["id"] == "127.0.0.1" for e in api.get("/v1/engines")[1]), what="discovered engine")

@@ -14,7 +14,7 @@ import xxhash
 
 from indexer.producer.publisher import VllmPublisher
 from indexer.producer.events import Stored
-from svc import Client, Server, free_port, wait_for, wait_subscribed
+from svc import Client, Server, bind_ranks, wait_for, wait_subscribed
 
 REC = json.loads((Path(__file__).resolve().parents[1] / "data" / "dynamo" / "recorded.json").read_text())["exchanges"]
 BS = 16
@@ -44,21 +44,10 @@ def dyn():
 
 def rank_pair(pubs) -> tuple[VllmPublisher, VllmPublisher]:
     """Publishers of DP ranks 0 and 1 of one engine (ports p and p+1), made by the
-    ``pubs`` fixture: retried, since a port found free can be taken by another process
-    before the bind."""
-    import zmq
-
-    for _ in range(50):
-        base = free_port()
-        try:
-            p0 = pubs(f"tcp://127.0.0.1:{base}")
-        except zmq.ZMQError:
-            continue
-        try:
-            return p0, pubs(f"tcp://127.0.0.1:{base}", dp_rank=1)
-        except zmq.ZMQError:
-            p0.close()
-    raise RuntimeError("no free port pair")
+    ``pubs`` fixture: rank 0 binds an ephemeral port, rank 1 the next one (retried
+    when that one is taken, see ``svc.bind_ranks``)."""
+    p0, p1 = bind_ranks(lambda ep, rep, **kw: pubs(ep, replay_endpoint=rep, **kw), 2, replay=False)
+    return p0, p1
 
 
 def replay(api: Client, name: str, **override):

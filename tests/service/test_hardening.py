@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from evkit import store, toks
-from svc import ROOT, Client, Server, free_port, sample, wait_for, wait_subscribed
+from svc import ROOT, Client, PortHold, Server, sample, wait_for, wait_subscribed
 
 BS = 16
 TOKEN = "s3cret-token-for-the-tests-0123456789"
@@ -276,11 +276,12 @@ def test_R_SEC_3_every_registered_engine_can_be_deleted(sec, eid):
     assert sec.client.get("/v1/engines")[1] == []
 
 
-def test_R_Q_3_a_worker_that_never_connected_never_wins_over_a_connected_one(sec, pubs):
+def test_R_Q_3_a_worker_that_never_connected_never_wins_over_a_connected_one(sec, pubs, request):
     # "aaa" sorts first and has nothing cached, like "zzz": a tie on cost that the id
     # once broke in favour of the engine nobody could reach.
-    dead = free_port()
-    assert raw(sec.port, "POST", "/v1/engines", {"id": "aaa", "endpoint": f"tcp://127.0.0.1:{dead}"},
+    dead = PortHold()  # held, never listening: refused, and nobody else's for the test
+    request.addfinalizer(dead.close)
+    assert raw(sec.port, "POST", "/v1/engines", {"id": "aaa", "endpoint": dead.endpoint},
                token=TOKEN)[0] == 201
     p = pubs()
     assert raw(sec.port, "POST", "/v1/engines", {"id": "zzz", "endpoint": p.live_endpoint}, token=TOKEN)[0] == 201
@@ -302,7 +303,8 @@ def test_R_Q_3_a_worker_that_never_connected_never_wins_over_a_connected_one(sec
 
 
 def test_R_OPS_1_ready_fraction_1_gates_readiness_on_every_engine(pubs):
-    dead = free_port()
+    hold = PortHold()  # held (refused) until the publisher binds it: nobody else can take it meanwhile
+    dead = hold.port
     s = Server("--ready-fraction", "1", "--engine", f"down=tcp://127.0.0.1:{dead}")
     try:
         st, body = s.client.get("/readyz")
@@ -313,6 +315,7 @@ def test_R_OPS_1_ready_fraction_1_gates_readiness_on_every_engine(pubs):
         assert sample(m, "kvi_engine_changes_total", op="register", via="config") == 1
     finally:
         s.stop()
+        hold.close()
 
 
 def test_R_OPS_1_probes_answer_HEAD(sec):

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -34,41 +34,13 @@ from indexer.ingest.live import Indexer
 from indexer.wire.keys import block_keys
 from indexer.producer.publisher import END_SEQ, VllmPublisher
 from indexer.producer.events import Cleared, encode_batch
-from svc import wait_until
+from svc import PortHold, bind_ranks, endpoint_port, probe_until_received, wait_until
 
 LOCAL = "tcp://127.0.0.1:*"
 BS = 4
 
 
 # ----------------------------------------------------------------- helpers
-
-
-def free_ports(n: int) -> int:
-    """A base port such that base..base+n-1 are free on 127.0.0.1 (below the ephemeral range)."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20_000, 32_000 - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports")
-
-
-def two_bases() -> tuple[int, int]:
-    """Two base ports for a dp_size=2 engine (live and replay), their ranges disjoint."""
-    while True:
-        a, b = free_ports(2), free_ports(2)
-        if abs(a - b) >= 2:
-            return a, b
 
 
 def seq8(s: int) -> bytes:
@@ -138,22 +110,108 @@ def cfg(pub: VllmPublisher, engine: str, *, replay: bool = True, **kw) -> Engine
     )
 
 
-def wi(ix: Indexer, engine: str, rank: int = 0) -> dict:
+# The publisher bound last on each live endpoint (``Rig.pub``): where ``ready`` and
+# ``flush`` send their probes to a worker.
+_PUBS: dict[str, VllmPublisher] = {}
+# What those probes added to a worker's counters, per (indexer, engine, rank): the
+# subscription they went through (a new one counts from zero), its messages, the
+# worker's and the index's drop counters. ``wi`` and ``dropped_payloads`` take it back out.
+_PROBES: dict[tuple[int, str, int], tuple[object, Counter]] = {}
+
+
+def _raw_wi(ix: Indexer, engine: str, rank: int = 0) -> dict:
     for w in ix.workers():
         if w["engine"] == engine and w["dp_rank"] == rank:
             return w
     raise AssertionError(f"no worker {engine}/{rank} in {[(w['engine'], w['dp_rank']) for w in ix.workers()]}")
 
 
+def _less(counts: dict, probes: Counter, prefix: str) -> dict:
+    """``counts`` minus the probes' share (keys ``prefix + reason``); a count the probes
+    would take below zero stays negative, so that an assertion shows it."""
+    out = dict(counts)
+    for k, n in probes.items():
+        if k.startswith(prefix):
+            reason = k[len(prefix):]
+            out[reason] = out.get(reason, 0) - n
+            if out[reason] == 0:
+                del out[reason]
+    return out
+
+
+def _probes(ix: Indexer, engine: str, rank: int) -> Counter:
+    got = _PROBES.get((id(ix), engine, rank))
+    if got is None or ix._subs.get((engine, rank)) is not got[0]:
+        return Counter()
+    return got[1]
+
+
+def wi(ix: Indexer, engine: str, rank: int = 0) -> dict:
+    """The worker's status as ``ix.workers()`` says, less what ``ready``/``flush`` probes added."""
+    w = _raw_wi(ix, engine, rank)
+    pr = _probes(ix, engine, rank)
+    if pr:
+        w["messages"] -= pr["messages"]
+        w["dropped"] = _less(w["dropped"], pr, "worker:")
+    return w
+
+
+def dropped_payloads(ix: Indexer) -> dict:
+    """``ix.stats()["dropped_payloads"]``, less what ``ready``/``flush`` probes added."""
+    out = ix.stats()["dropped_payloads"]
+    for (i, engine, rank) in list(_PROBES):
+        if i == id(ix):
+            out = _less(out, _probes(ix, engine, rank), "index:")
+    return out
+
+
+def _probing(ix: Indexer, engine: str, rank: int, timeout: float, probe) -> None:
+    """Run ``probe(pub, topic, raw_worker)`` against the worker's publisher, then send
+    a fence (3 frames, a 5-byte seq: a ``bad_seq_frame`` drop) and wait until the index
+    counts it: one connection keeps its order, so every earlier message has then been
+    handled. Whatever the probes and the fence added to the counters is recorded."""
+    sub = ix._subs.get((engine, rank))
+    assert sub is not None, f"{engine}/{rank} is not subscribed"
+    pub = _PUBS.get(sub.endpoint)
+    assert pub is not None, f"no publisher of this rig is bound on {sub.endpoint} ({engine}/{rank})"
+    before_w, before_ix = _raw_wi(ix, engine, rank), Counter(ix.stats()["dropped_payloads"])
+    probe(pub, sub.topic, lambda: _raw_wi(ix, engine, rank))
+    pub.send_raw([sub.topic, b"fence", b""])
+    wait_until(lambda: ix.stats()["dropped_payloads"].get("bad_seq_frame", 0) > before_ix["bad_seq_frame"], timeout,
+               msg=f"{engine}/{rank} to handle the fence message")
+    after_w, after_ix = _raw_wi(ix, engine, rank), Counter(ix.stats()["dropped_payloads"])
+    add = Counter({"messages": after_w["messages"] - before_w["messages"]})
+    add.update({f"worker:{k}": n for k, n in (Counter(after_w["dropped"]) - Counter(before_w["dropped"])).items()})
+    add.update({f"index:{k}": n for k, n in (after_ix - before_ix).items()})
+    prev = _PROBES.get((id(ix), engine, rank))
+    total_ = prev[1] + add if prev is not None and prev[0] is sub else add
+    _PROBES[(id(ix), engine, rank)] = (sub, total_)
+
+
 def ready(ix: Indexer, *engines: str, timeout: float = 5.0) -> None:
-    """Wait until the engines' SUB sockets are connected, then give the ZMTP handshake
-    (which carries the subscription) a moment: PUB drops what it sends before that."""
+    """Wait until the engines' SUB sockets are connected and their subscriptions live: a
+    PUB drops what it sends before the subscription reaches it, which happens after the
+    connect, at the end of the ZMTP handshake. Each worker gets one-frame probes (a
+    ``bad_frame_count`` drop, never sequenced) until one arrives, then a fence (see
+    ``_probing``); ``wi`` and ``dropped_payloads`` leave their counts out."""
     def ok():
         ws = [w for w in ix.workers() if not engines or w["engine"] in engines]
         return ws and all(w.get("connected") for w in ws)
 
     wait_until(ok, timeout, msg=f"SUB connected to {engines or 'all'}")
-    time.sleep(0.15)
+
+    def probe(pub, topic, raw):
+        probe_until_received(lambda: pub.send_raw([topic]), lambda: raw()["messages"], "the SUB", timeout)
+
+    for w in [w for w in ix.workers() if not engines or w["engine"] in engines]:
+        _probing(ix, w["engine"], w["dp_rank"], timeout, probe)
+
+
+def flush(ix: Indexer, engine: str, rank: int = 0, timeout: float = 5.0) -> None:
+    """Wait until the worker has handled every live message its publisher sent so far
+    (a fence behind them, see ``_probing``): ``messages`` counts a message before the
+    ingest thread has acted on it."""
+    _probing(ix, engine, rank, timeout, lambda *a: None)
 
 
 def caught_up(ix: Indexer, engine: str, rank: int, seq: int) -> bool:
@@ -174,11 +232,12 @@ def wait_applied(ix: Indexer, rec: Rec, timeout: float = 5.0) -> None:
                msg=lambda: f"{rec.engine}/{rec.rank} applied up to seq {last}: {wi(ix, rec.engine, rec.rank)}")
 
 
-def try_bind(rig, port: int) -> VllmPublisher | None:
-    """A publisher bound on ``port`` (a restarted engine on its fixed port), or None while
-    the old process's port is not free yet."""
+def try_bind(rig, port: int, rport: int | None = None) -> VllmPublisher | None:
+    """A publisher bound on ``port`` (and replay ``rport``): a restarted engine on its
+    fixed ports, or one coming up on a port held for it (``Rig.hold``). None while the
+    old process's port is not free yet."""
     try:
-        return rig.pub(f"tcp://127.0.0.1:{port}", None, bind=True)
+        return rig.pub(f"tcp://127.0.0.1:{port}", None if rport is None else f"tcp://127.0.0.1:{rport}", bind=True)
     except zmq.ZMQError:
         return None
 
@@ -194,7 +253,7 @@ def streaming(rec: Rec, prompts) -> Iterator[None]:
         while not stop.is_set():
             rec.send(gpu(prompts[i % len(prompts)], 1 + i % 4))
             i += 1
-            time.sleep(0.002)
+            time.sleep(0.002)  # pacing: a batch every ~2 ms, not a wait
 
     t = threading.Thread(target=stream, daemon=True)
     t.start()
@@ -213,11 +272,20 @@ class Rig:
         self.pubs: list[VllmPublisher] = []
         self.ixs: list[Indexer] = []
         self.socks: list = []
+        self.holds: list[PortHold] = []
 
     def pub(self, endpoint: str = LOCAL, replay_endpoint: str | None = LOCAL, **kw) -> VllmPublisher:
         p = VllmPublisher(endpoint, replay_endpoint, **kw)
         self.pubs.append(p)
+        _PUBS[p.live_endpoint] = p
         return p
+
+    def hold(self) -> PortHold:
+        """A port held for the test (see ``svc.PortHold``): an engine that is down, or
+        one that comes up, or back, later on a port the indexer was given up front."""
+        h = PortHold()
+        self.holds.append(h)
+        return h
 
     def indexer(self, engines=(), *, start: bool = True, **kw) -> Indexer:
         kw.setdefault("reconnect_ivl_max_ms", 500)
@@ -256,6 +324,13 @@ class Rig:
                 pass
         for s in self.socks:
             s.close(0)
+        for h in self.holds:
+            h.close()
+        for ep, p in list(_PUBS.items()):
+            if p in self.pubs:
+                del _PUBS[ep]
+        for k in [k for k in _PROBES if k[0] in {id(ix) for ix in self.ixs}]:
+            del _PROBES[k]
         assert not dead, f"the ingest thread died during the test: {dead}"
 
 
@@ -490,7 +565,7 @@ def test_R_STR_1_replay_overlap_skipped_after_many_replays(rig):
         rec.send_payload(pn)                        # live copy of a replayed batch
         rec.send(gpu(ps[lost + 2], 1))              # in order
         wait_until(lambda: wi(ix, "e1")["messages"] == rec.live_sent, msg="live received")
-        time.sleep(0.05)
+        flush(ix, "e1")                             # ... and handled
         w = wi(ix, "e1")
         assert (w["restarts"], w["last_seq"], w["replaying"], w["stale"]) == (0, nxt + 1, False, False), (
             f"round {rnd} ({lost} lost): live copy of replayed seq {nxt}: {w}")
@@ -549,8 +624,8 @@ def test_R_STR_2_dropped_batches_repaired_by_replay(rig, ver):
         h = ehashes(p, BS)
         events = gpu(p, 1 + i % 4) if i % 3 else gpu_evictions(h[i % 4:]) + chunks(p, BS, 2)
         rec.send(events, drop=i in drops)
-        if i in (5, 12):
-            time.sleep(0.02)
+        if i in (5, 12):  # the gaps so far repaired before more traffic: three rounds of repair
+            wait_applied(ix, rec)
     wait_applied(ix, rec)
     w = wi(ix, "e1")
     assert w["replays_ok"] >= 1 and w["gaps"] >= 1 and w["replays_failed"] == 0
@@ -575,7 +650,7 @@ def test_R_STR_2_live_batches_buffered_during_replay_applied_after(rig, with_top
     client, start = man.request()
     assert start == 0  # R-STR-7: from the anchor, the last applied seq
     wait_until(lambda: wi(ix, "e1")["messages"] == 3, msg="live 2 and 3 received")
-    time.sleep(0.05)
+    flush(ix, "e1")                           # ... and handled (buffered, not applied)
     w = wi(ix, "e1")
     assert w["replaying"] and w["last_seq"] == 0
     assert total(ix, P[2], "e1") == 0, "a live batch was applied before the missing ones"
@@ -794,7 +869,7 @@ def test_R_STR_5_restart_while_replaying_is_detected(rig):
     wait_until(lambda: wi(ix, "e1")["messages"] == 3, msg="new seq 0 received during the replay")
     man.answer(client, old)                 # the old engine's buffer from 0 (0, 1, 2)
     wait_until(lambda: not wi(ix, "e1")["replaying"], msg="replay finished")
-    time.sleep(0.1)
+    flush(ix, "e1")                         # the live batches behind the replay handled too
     got = {i: total(ix, P[i], "e1") for i in (0, 1, 2, 5)}
     assert got == {0: 0, 1: 0, 2: 0, 5: 4}, f"after a restart seen during a replay: {got}, worker {wi(ix, 'e1')}"
 
@@ -830,8 +905,8 @@ def test_R_STR_5_R_STR_7_restart_with_an_engine_clock_behind_is_proven_by_replay
 
 
 def test_R_DEC_4_dp_ranks_on_offset_ports_are_independent_workers(rig):
-    base, rbase = two_bases()
-    pubs = [rig.pub(f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{rbase}", dp_rank=r, bind=True) for r in (0, 1)]
+    pubs = bind_ranks(rig.pub, 2)
+    base, rbase = endpoint_port(pubs[0].live_endpoint), endpoint_port(pubs[0].bound_replay_endpoint)
     assert [p.live_endpoint for p in pubs] == [f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}"]
     assert [p.bound_replay_endpoint for p in pubs] == [f"tcp://127.0.0.1:{rbase}", f"tcp://127.0.0.1:{rbase + 1}"]
     recs = [Rec(p, "dp", r) for r, p in enumerate(pubs)]
@@ -908,15 +983,15 @@ def test_R_STR_6_engines_added_and_removed_at_run_time(rig):
     rb.send(gpu(P[3]))                              # no longer subscribed
     ra.send(gpu(P[3]))
     wait_applied(ix, ra)
-    time.sleep(0.1)
+    time.sleep(0.1)  # nothing may arrive from b (no SUB left to probe): a sleep, not a probe
     assert [w["engine"] for w in ix.workers()] == ["a"]
     assert total(ix, P[3], "b") == 0
     assert ix.stats()["resident_entries"] == entries_a + 4
 
 
 def test_R_STR_6_publisher_up_later_is_picked_up_and_down_one_blocks_nobody(rig):
-    port = free_ports(1)
-    dead = free_ports(1)
+    port = rig.hold().port  # the late engine binds it later (the indexer knows it up front)
+    dead = rig.hold().port  # held, never listening: nobody ever answers there
     good = rig.pub()
     rg = Rec(good, "good")
     ix = rig.indexer([
@@ -1018,7 +1093,7 @@ def test_R_DEC_3_R_BAD_3_garbage_frames_counted_per_worker_and_stream_continues(
     wait_applied(ix, ro)
     w = wi(ix, "e1")
     assert w["dropped"] == {"bad_frame_count": 3, "bad_seq_frame": 2, "bad_payload": 2}, w["dropped"]
-    assert ix.stats()["dropped_payloads"] == w["dropped"]
+    assert dropped_payloads(ix) == w["dropped"]
     assert wi(ix, "e2")["dropped"] == {}
     assert not w["stale"] and w["restarts"] == 0 and w["replays_failed"] == 0
     assert w["last_seq"] == 3 and total(ix, P[0], "e1") == 4 and total(ix, P[7], "e1") == 0
@@ -1038,7 +1113,7 @@ def test_R_DEC_3_R_BAD_3_garbage_frames_counted_per_worker_and_stream_continues(
     wait_until(lambda: total(ix, P[3], "e1") == 4, msg="good batch after the burst")
     w = wi(ix, "e1")
     assert sum(w["dropped"].values()) == 7 + sent
-    assert sum(ix.stats()["dropped_payloads"].values()) == 7 + sent
+    assert sum(dropped_payloads(ix).values()) == 7 + sent
     assert not w["stale"] and w["restarts"] == 0
     assert total(ix, P[0], "e1") == 4 and total(ix, P[1], "e1") == 4 and total(ix, P[2], "e2") == 4
 
@@ -1062,7 +1137,11 @@ def test_embedding_indexer_inside_asyncio(rig):
         assert ix.running
         try:
             await until(lambda: wi(ix, "e1")["connected"])
-            await asyncio.sleep(0.15)
+            deadline = time.monotonic() + 5  # the subscription is live once a probe arrives
+            while wi(ix, "e1")["messages"] == 0:
+                assert time.monotonic() < deadline, "e1's SUB never received a probe"
+                pub.send_raw([b""])  # one frame: dropped and counted, never sequenced
+                await asyncio.sleep(0.02)
             rec.send(gpu(P[0]))
             await until(lambda: caught_up(ix, "e1", 0, 0))
             r = ix.match(P[0])
@@ -1103,7 +1182,7 @@ def test_embedding_stop_is_prompt_while_batches_arrive(rig):
         def flood(pub):
             while not halt.is_set():
                 pub.publish_payload(payload)
-                time.sleep(0)
+                time.sleep(0)  # yield the GIL between sends, not a wait
 
         ths = [threading.Thread(target=flood, args=(p,), daemon=True) for p in pubs]
         for th in ths:
@@ -1144,7 +1223,7 @@ def test_embedding_indexer_as_context_manager(rig):
     assert not ix.running and ix.error is None
     assert not wi(ix, "e1")["connected"]
     rec.send(gpu(P[1]))                              # not subscribed any more
-    time.sleep(0.1)
+    time.sleep(0.1)  # nothing may arrive (no SUB left to probe): a sleep, not a probe
     assert total(ix, P[1], "e1") == 0 and total(ix, P[0], "e1") == 4
 
 
@@ -1157,11 +1236,10 @@ def test_R_STR_soak_drops_restarts_dp_ranks_final_index_exact(rig):
     occasional restarts. At the end the index equals a fresh PrefixIndex fed
     exactly what each publisher's current incarnation sent."""
     rng = random.Random(20260101)
-    base, rbase = two_bases()
     pa = rig.pub(version="0.33")
     pb = rig.pub(version="0.23", topic="kvb")
-    pcs = [rig.pub(f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{rbase}", dp_rank=r, version="0.24", bind=True)
-           for r in (0, 1)]
+    pcs = bind_ranks(rig.pub, 2, version="0.24")
+    base, rbase = endpoint_port(pcs[0].live_endpoint), endpoint_port(pcs[0].bound_replay_endpoint)
     recs = [Rec(pa, "a"), Rec(pb, "b"), Rec(pcs[0], "c", 0), Rec(pcs[1], "c", 1)]
     ix = rig.indexer([
         cfg(pa, "a"),
@@ -1221,7 +1299,7 @@ def test_R_STR_soak_drops_restarts_dp_ranks_final_index_exact(rig):
             if not drop:
                 fresh[id(r)] = False
         if steps % 4 == 0:
-            time.sleep(0.005)
+            time.sleep(0.005)  # pacing (the ingest thread keeps up now and then), not a wait
     for r in recs:  # make every stream's last batch visible (no heartbeats in vLLM)
         if not r.log or r.pub.next_seq - 1 in r.pub.drop:
             r.send(batch())
@@ -1270,7 +1348,7 @@ def test_R_BAD_3_an_internal_error_costs_one_message_not_the_ingest_thread():
     try:
         ix.start()
         wait_until(lambda: wi(ix, "e")["connected"], msg="connected")
-        time.sleep(0.2)
+        probe_until_received(lambda: pub.send_raw([b""]), lambda: wi(ix, "e")["messages"], "e/0's SUB")
         t = toks(1, 3, BS)
         for a in range(3):
             pub.publish([store(t, BS, a, a + 1)])
@@ -1292,7 +1370,7 @@ def test_R_STR_6_a_silent_workers_link_follows_its_socket_while_another_streams(
     """Monitors are not in the hot poll: they are swept every SWEEP_S. While one engine
     streams without a pause (so the hot poll never times out), a silent engine's
     disconnect and its return must still show in its link state, within a bound."""
-    port = free_ports(1)
+    port = rig.hold().port  # held: the silent engine comes back on it (a restart keeps its port)
     busy = rig.pub()
     rb = Rec(busy, "busy")
     quiet = rig.pub(f"tcp://127.0.0.1:{port}", None, bind=True)
@@ -1348,7 +1426,7 @@ def test_R_STR_7_a_reconnect_is_seen_before_the_first_batch_over_it_while_the_ho
     says otherwise, so it must be handled before that batch, even while another engine
     keeps the hot poll busy (monitors are swept only every SWEEP_S there): the old
     incarnation's prompt must then be gone, or the worker stale with a reason."""
-    port = free_ports(1)
+    port = rig.hold().port  # held: the new incarnation binds the same port (a restart keeps it)
     old = rig.pub(f"tcp://127.0.0.1:{port}", None, bind=True)
     rold = Rec(old, "e1")
     busy = rig.pub()
@@ -1366,7 +1444,8 @@ def test_R_STR_7_a_reconnect_is_seen_before_the_first_batch_over_it_while_the_ho
         payload = encode_batch(gpu(P[1]), ts=time.time(), dp_rank=0, version="0.33")
         new.send_multipart([b"", seq8(1), payload])  # seq 0 of this incarnation was never delivered
         wait_until(lambda: wi(ix, "e1")["messages"] >= 2, msg="the new incarnation's batch received")
-        time.sleep(0.3)
+        new.send_multipart([b"", b"fence", b""])  # a bad_seq_frame drop behind it: once counted, the batch is handled
+        wait_until(lambda: dropped_payloads(ix).get("bad_seq_frame", 0) >= 1, msg="the fence behind the batch handled")
     w = wi(ix, "e1")
     assert w["stale"] or total(ix, P[0], "e1") == 0, w
     if w["stale"]:

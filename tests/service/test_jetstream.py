@@ -14,6 +14,7 @@ block set.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import nats
 import pytest
+import zmq
 from nats.js import api
 
 from evkit import ehashes, removed, store, toks
@@ -35,9 +37,9 @@ from indexer.ingest.jetstream import JetStreamIngest
 from indexer.producer.events import encode_batch
 from indexer.producer.publisher import VllmPublisher
 from indexer.ingest.relay import Relay
-from natsd import NatsServer, free_port
-from svc import ROOT, Child, sample, wait_until
-from test_ingest import Rec, answers, reference, two_bases
+from natsd import NatsServer
+from svc import ROOT, Child, PortHold, bind_ranks, endpoint_port, probe_until_received, sample, wait_until
+from test_ingest import Rec, answers, reference
 
 BS = 4
 MODELS = ("default", "m2")  # e1 serves the first, e2 (two DP ranks) the second
@@ -61,10 +63,9 @@ class Fleet:
     """Engine e1 (one rank, model "default") and e2 (DP ranks 0 and 1 on offset ports, "m2")."""
 
     def __init__(self) -> None:
-        base, rbase = two_bases()
         e1 = VllmPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", bind=True)
-        e2 = [VllmPublisher(f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{rbase}", dp_rank=r, bind=True)
-              for r in (0, 1)]
+        e2 = bind_ranks(VllmPublisher, 2)
+        base, rbase = endpoint_port(e2[0].live_endpoint), endpoint_port(e2[0].bound_replay_endpoint)
         self.pubs = [e1, *e2]
         self.recs = [Rec(e1, "e1"), Rec(e2[0], "e2", 0, "m2"), Rec(e2[1], "e2", 1, "m2")]
         self.configs = [
@@ -108,7 +109,7 @@ class Traffic:
             self.sent += 1
             ahead = t0 + self.sent / self.rate - time.monotonic()
             if ahead > 0:
-                time.sleep(ahead)
+                time.sleep(ahead)  # pacing: the traffic's rate, not a wait
 
     def wait_sent(self, n: int, timeout: float = 30.0) -> None:
         wait_until(lambda: self.sent >= n, timeout, msg=f"{n} batches sent")
@@ -396,7 +397,8 @@ def test_R_DUR_14_nats_server_restart_mid_stream_relays_and_replicas_resume(nats
         traffic.wait_sent(300)
         wait_until(lambda: all(r.seq > 50 for r in reps), 20, msg="the log flows")
         natsd.stop()
-        time.sleep(0.5)  # engines keep publishing into the outage
+        down = traffic.sent
+        traffic.wait_sent(down + 200)  # engines keep publishing into the outage (~0.5 s of traffic)
         natsd.start()
         traffic.wait_sent(1000)
     finally:
@@ -500,16 +502,22 @@ def test_R_DUR_10_restart_behind_a_reconnect_with_a_clock_behind_reaches_replica
     relay sees is exactly last + 1). Neither seq nor ts shows the restart; the relay
     proves it by replay and rebuilds from 0, marking the first batch with the ts of the
     batch it replaced. The replica drops the old incarnation and equals the reference."""
-    port, rport = free_port(), free_port()
+    # Fixed ports: the engine restarts on the same ones. Held for the test (bound, never
+    # listening: see svc.PortHold) so no other process takes them while it is down.
+    hold, rhold = PortHold(), PortHold()
+    port, rport = hold.port, rhold.port
+
+    def try_bind() -> VllmPublisher | None:
+        try:
+            return VllmPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}", bind=True)
+        except zmq.ZMQError:
+            return None
 
     def bind() -> VllmPublisher:
-        for _ in range(100):
-            try:
-                return VllmPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}", bind=True)
-            except Exception:
-                time.sleep(0.02)
-        raise AssertionError("ports not free again")
+        return wait_until(try_bind, 5, msg=f"the engine's ports {port} and {rport} free again")
 
+    closing(hold)
+    closing(rhold)
     pub = bind()
     rec = Rec(pub, "e1")
     cfg = EngineConfig(id="e1", endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{rport}")
@@ -517,7 +525,7 @@ def test_R_DUR_10_restart_behind_a_reconnect_with_a_clock_behind_reaches_replica
     rl.start()
     rep = closing(replica(natsd.url, "r"))
     wait_until(lambda: rl.workers()[0]["connected"], 5, msg="SUB connected")
-    time.sleep(0.2)
+    probe_until_received(lambda: pub.send_raw([b""]), lambda: rl.workers()[0]["messages"], "the relay's SUB")
     for i in range(3):
         rec.send([store(PROMPTS[i], BS, 0, 6)], ts=2000.0 + i)
     wait_until(lambda: rep.seq == 3, 10, msg=lambda: f"old incarnation in the log: {rep.counters}")
@@ -528,7 +536,7 @@ def test_R_DUR_10_restart_behind_a_reconnect_with_a_clock_behind_reaches_replica
         for i in range(3):  # nobody subscribed yet: lost on the live socket, kept for replay
             rec.send([store(PROMPTS[10 + i], BS, 0, 6)], drop=True, ts=1000.0 + i)
         wait_until(lambda: rl.workers()[0]["connects"] >= 2 and rl.workers()[0]["connected"], 10, msg="reconnected")
-        time.sleep(0.2)
+        probe_until_received(lambda: pub.send_raw([b""]), lambda: rl.workers()[0]["messages"], "the relay's new SUB")
         rec.send([store(PROMPTS[20], BS, 0, 6)], ts=1003.0)  # seq 3: looks like the next one
         wait_until(lambda: caught_up(rep, [rec]) and rep.counters["messages"] >= 7, 10,
                    msg=lambda: f"new incarnation in the log: {rep.counters}, {rl.counters}")
@@ -546,28 +554,33 @@ def test_R_DUR_13_relay_buffer_bounded_drops_counted_replicas_see_the_gap(fleet,
     """R-DUR-13: NATS unreachable: a relay queues ``max_pending`` batches per worker and
     drops (counts) the rest; once NATS is up the queue is published in order, and the
     next batch shows replicas the gap: the worker is stale naming exactly the lost seqs."""
-    port = free_port()
-    url = f"nats://127.0.0.1:{port}"
+    # The relay is given NATS's address before the server exists: the port is held for the
+    # test (bound, never listening: refused like a server that is down; see svc.PortHold)
+    # and nats-server binds it later.
+    hold = closing(PortHold())
+    url = f"nats://127.0.0.1:{hold.port}"
     rl = closing(Relay(fleet.configs[:1], url=url, max_pending=5, reconnect_ivl_max_ms=500))
     rl.start()
     rec = fleet.recs[0]
     wait_until(lambda: rl.workers()[0]["connected"], 5, msg="SUB connected")
-    time.sleep(0.2)
+    probe_until_received(lambda: rec.pub.send_raw([b""]), lambda: rl.workers()[0]["messages"], "the relay's SUB")
     for _ in range(20):
         rec.send(batch_events(random.Random(7)))
     wait_until(lambda: rl.counters["dropped"] == 15, 10, msg=lambda: f"{rl.counters}")
-    srv = NatsServer(tmp_path / "late", port=port)
-    try:
+    srv = NatsServer(tmp_path / "late", port=hold.port)
+    # Stopped in reverse order, the server last: the replica only once it exists, so that a
+    # failure before it is reported as itself (not as an unbound name in a finally).
+    with contextlib.ExitStack() as stop:
+        stop.callback(srv.stop)
+        stop.callback(rl.stop)
         wait_until(lambda: rl.counters["acked"] == 5, 20, msg=lambda: f"queue published: {rl.counters}")
         rec.send(batch_events(random.Random(8)))  # seq 20
-        rep = closing(replica(url, "r"))
+        rep = replica(url, "r")
+        stop.callback(rep.stop)
         wait_until(lambda: rep.counters["messages"] == 6, 10, msg=lambda: f"{rep.counters}")
         w = rep.index.workers()[0]
-        assert w["last_seq"] == 20 and w["stale"] and w["stale_reason"] == "event log: batch(es) 5..19 of e1/0 missing"
-    finally:
-        rep.stop()
-        rl.stop()
-        srv.stop()
+        assert w["last_seq"] == 20 and w["stale"], w
+        assert w["stale_reason"] == "event log: batch(es) 5..19 of e1/0 missing", w
 
 
 def test_relay_and_replica_modules_stay_off_the_default_import_path():

@@ -5,13 +5,12 @@ vLLM-compatible publishers over ZMQ on 127.0.0.1."""
 
 from __future__ import annotations
 
-import time
 
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from evkit import store, toks
-from svc import Client, free_port, wait_for, wait_subscribed
+from svc import Client, PortHold, wait_for, wait_subscribed
 
 BS = 16
 
@@ -45,7 +44,7 @@ def worker(c: Client, engine: str) -> dict:
 # ------------------------------------------------------------------ model labels
 
 
-def test_R_BAD_3_model_labels_of_api_registered_engines_stay_within_max_workers(serve):
+def test_R_BAD_3_model_labels_of_api_registered_engines_stay_within_max_workers(serve, request):
     """Engines registered over ``POST /v1/engines`` bring their model as a label value;
     ``max_workers`` bounds how many engines (DP ranks) are subscribed at once, so it
     bounds the model label values too: one engine past the bound is refused with a 4xx
@@ -58,7 +57,9 @@ def test_R_BAD_3_model_labels_of_api_registered_engines_stay_within_max_workers(
     live: dict[str, str] = {}  # engine id -> model
 
     def register(eid: str, model: str) -> tuple[int, dict]:
-        return c.post("/v1/engines", {"id": eid, "model": model, "endpoint": f"tcp://127.0.0.1:{free_port()}"})
+        down = PortHold()  # an engine that is down: held, never listening, for the test
+        request.addfinalizer(down.close)
+        return c.post("/v1/engines", {"id": eid, "model": model, "endpoint": down.endpoint})
 
     for i in range(bound):
         st, res = register(f"e{i}", f"api-model-{i}")
@@ -92,12 +93,13 @@ def test_R_BAD_3_model_labels_of_api_registered_engines_stay_within_max_workers(
 
 def _publisher_on(pubs, port: int, rport: int):
     """A publisher bound to fixed live and replay ports (the old one's may take a moment to free)."""
-    for _ in range(200):
+    def bind():
         try:
             return pubs(f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{rport}")
         except zmq.ZMQError:
-            time.sleep(0.02)
-    raise AssertionError(f"could not bind 127.0.0.1:{port} and :{rport} again")
+            return None
+
+    return wait_for(bind, timeout=4, what=f"127.0.0.1:{port} and :{rport} bound again")
 
 
 def _register(c: Client, pub, engine: str, **fields) -> None:
@@ -111,7 +113,7 @@ def _applied_through(c: Client, engine: str, seq: int) -> None:
              what=f"{engine} to apply seq {seq}")
 
 
-def test_R_STR_7_continuity_outcomes_and_reconnects_are_exported(serve, pubs):
+def test_R_STR_7_continuity_outcomes_and_reconnects_are_exported(serve, pubs, request):
     """``kvi_continuity_total{outcome}`` (proven, restarted, unproven) and
     ``kvi_reconnects_total`` are in every scrape, with help text, and count what real
     publishers did (each outcome a different number of times, so none can stand in for
@@ -156,7 +158,12 @@ def test_R_STR_7_continuity_outcomes_and_reconnects_are_exported(serve, pubs):
 
     # Restarted: seqs 0-2, then the engine dies and comes back on the same ports; its
     # seqs 0-2 are lost (no subscriber yet), its seq 3 is the first the indexer sees.
-    port, rport = free_port(), free_port()
+    # Fixed ports: the engine comes back on the same ones. Held for the test (bound, never
+    # listening: see svc.PortHold), so no other process takes them while it is down.
+    hold, rhold = PortHold(), PortHold()
+    request.addfinalizer(hold.close)
+    request.addfinalizer(rhold.close)
+    port, rport = hold.port, rhold.port
     r1 = _publisher_on(pubs, port, rport)
     _register(c, r1, "rest", replay_endpoint=f"tcp://127.0.0.1:{rport}")
     for i in range(3):

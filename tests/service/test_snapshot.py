@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import struct
-import time
 
 import pytest
 import xxhash
@@ -21,7 +20,7 @@ from indexer.wire.engines import EngineConfig
 from indexer.producer.events import Cleared, encode_batch
 from indexer.store.snapshot import FORMAT_VERSION, SnapshotError, dumps, loads, write_atomic
 from svc import wait_until
-from test_ingest import BS, P, Rec, assert_same_index, cfg, gpu, reference, rig, wait_applied, wi  # noqa: F401
+from test_ingest import BS, P, Rec, assert_same_index, cfg, gpu, ready, reference, rig, wait_applied, wi  # noqa: F401
 
 TS = 1767225600.0
 
@@ -225,8 +224,7 @@ def _restart_rig(rig, *, replay=True, buffer_steps=10_000):
     rec = Rec(pub, "e1")
     conf = cfg(pub, "e1", replay=replay)
     ix = rig.indexer([conf])
-    wait_until(lambda: wi(ix, "e1")["connected"], msg="connected")
-    time.sleep(0.15)
+    ready(ix)  # connected, and the subscription probed
     for i in range(3):
         rec.send(gpu(P[i]))
     rec.send([removed(ehashes(P[0], BS)[2:])])

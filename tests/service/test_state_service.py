@@ -26,7 +26,7 @@ import pytest
 
 from evkit import ehashes, removed, toks
 from indexer.producer.publisher import VllmPublisher
-from svc import Client, Server, sample, wait_for
+from svc import Client, Server, sample, wait_for, wait_subscribed
 from test_ingest import Rec, gpu, reference
 from test_vllm_publisher import SUBSCRIBE_S, OwnEngine, kv, needs_vllm
 
@@ -36,7 +36,9 @@ TOKEN = "state-test-token-0123456789"
 # The engines' replay ring: it covers the seconds a restart takes, not the history (a
 # late join's replay from 0 would fail), so only the snapshot can bring the rest back.
 BUFFER = 150
-RUN_S = 3.5  # ~130 batches per engine before the restart
+# Batches each engine publishes before the restart: more than the ring holds, so that
+# replay alone could not rebuild the index.
+RUN = BUFFER + 10
 # While a service is away (down, or not yet bootstrapped), each engine publishes at most
 # CAP more batches until it has caught up: under load a restart can take seconds, and the
 # ring must still hold everything it missed. The margin (BUFFER - CAP) covers the batches
@@ -64,7 +66,9 @@ class Flow:
                                 buffer_steps=buffer_steps)
             self.recs.append(Rec(pub, f"e{i}"))
         if publisher == "vllm":
-            time.sleep(SUBSCRIBE_S)  # the recorders' subscriptions: once for all
+            # The recorders' subscriptions, once for all: vLLM's PUB sends from its own thread,
+            # so no probe can go through it; a batch a recorder missed fails settle().
+            time.sleep(SUBSCRIBE_S)
         self.lock = threading.Lock()
         self._stop = threading.Event()
         self.rng = random.Random(7)
@@ -162,12 +166,37 @@ def _caught_up(client: Client, flow: Flow) -> None:
 
 
 def _register(client: Client, flow: Flow, token: str | None = None) -> None:
+    """Register the flow's engines over the API and wait until the service's subscriptions
+    are live: probed through our mirror's publisher (one-frame messages, dropped and
+    counted). vLLM's own publisher sends from its thread, so there only the connect is
+    seen; a batch sent before its PUB took the subscription in comes back by replay (the
+    ring holds the start of the flow)."""
     h = {"authorization": f"Bearer {token}"} if token else {}
     for spec in flow.engine_specs():
         import json
 
         status, body = client.call("POST", "/v1/engines", json.dumps(spec).encode(), h)
         assert status == 201, body
+    for r in flow.recs:
+        if isinstance(r, OwnEngine):
+            wait_for(lambda: any(w["engine"] == r.engine and w["connected"] for w in client.get("/v1/workers")[1]),
+                     what=f"{r.engine} connected")
+        else:
+            wait_subscribed(client, r.pub, r.engine)
+
+
+def _run(flow: Flow) -> None:
+    """Let the flow run until every engine has published ``RUN`` batches."""
+    wait_for(lambda: min(flow.history().values()) >= RUN, timeout=60, what=f"{RUN} batches from every engine")
+
+
+def _published_more(flow: Flow, n: int) -> None:
+    """Wait until every engine has published ``n`` more batches than now (or reached the
+    cap ``flow.cap()`` set): the flow goes on meanwhile, e.g. while a service is away."""
+    now = flow.history()
+    want = {e: now[e] + n if flow._cap is None else min(now[e] + n, flow.mark[e] + flow._cap) for e in now}
+    wait_for(lambda: all(flow.history()[e] >= k for e, k in want.items()), timeout=30,
+             what=f"{n} more batches from every engine ({want})")
 
 
 @pytest.fixture
@@ -238,21 +267,20 @@ def test_R_DUR_2_sigterm_restart_equals_a_service_that_never_stopped(flow, serve
     svc = servers("--state-dir", str(tmp_path), "--snapshot-interval-s", "0")
     _register(steady.client, flow)
     _register(svc.client, flow)  # over the API: the registry must survive too
-    time.sleep(0.3)  # both subscribed before the flow starts
     flow.start()
-    time.sleep(RUN_S)
+    _run(flow)
     flow.cap()
     svc.proc.send_signal(signal.SIGTERM)
     svc.proc.wait(20)
-    assert svc.proc.returncode in (0, -signal.SIGTERM), svc.output()  # uvicorn re-raises the signal
+    assert svc.proc.returncode == -signal.SIGTERM, svc.output()  # uvicorn re-raises the signal
     assert "wrote" in svc.output() and os.path.exists(tmp_path / "index.snap")
-    time.sleep(0.7)  # the flow goes on while it is down: these batches must come from replay
+    _published_more(flow, 20)  # the flow goes on while it is down: these batches must come from replay
     down = flow.history()
     again = servers("--state-dir", str(tmp_path))
     assert [e["id"] for e in again.client.get("/v1/engines")[1]] == ["e0", "e1"]
     assert all(down[e] > s for e, s in flow.mark.items()), (flow.mark, down)  # published while it was down
     _back(again.client, flow)
-    time.sleep(0.3)  # and on after it is back
+    _published_more(flow, 10)  # and on after it is back
     _settle(flow, again.client, steady.client)
     assert _answers(again.client) == _answers(steady.client) == _ref_answers(flow)
     _replayed(again.client)
@@ -272,24 +300,23 @@ def test_R_DUR_2_kill_9_after_a_snapshot_replays_the_rest(flow, servers, tmp_pat
     svc = servers("--state-dir", str(tmp_path), "--snapshot-interval-s", "0.3")
     _register(steady.client, flow)
     _register(svc.client, flow)
-    time.sleep(0.3)
     flow.start()
-    time.sleep(RUN_S)
+    _run(flow)
     flow.cap()
     # Two more periodic snapshots: the second one began after the cap.
     n = sample(svc.client.metrics(), "kvi_snapshot_writes_total", outcome="ok")
-    assert n >= 2, n  # RUN_S is many snapshot intervals
+    assert n >= 2, n  # RUN batches take many snapshot intervals
     wait_for(lambda: sample(svc.client.metrics(), "kvi_snapshot_writes_total", outcome="ok") >= n + 2,
              what="two periodic snapshots after the cap")
-    time.sleep(0.2)
+    _published_more(flow, 5)  # batches after the last snapshot: the restarted service must replay them
     svc.proc.send_signal(signal.SIGKILL)
     svc.proc.wait(10)
-    time.sleep(0.5)
+    _published_more(flow, 20)  # and while it is down
     down = flow.history()
     again = servers("--state-dir", str(tmp_path))
     assert all(down[e] > s for e, s in flow.mark.items()), (flow.mark, down)  # published after the snapshot
     _back(again.client, flow)
-    time.sleep(0.3)
+    _published_more(flow, 10)
     _settle(flow, again.client, steady.client)
     assert min(flow.history().values()) > BUFFER, flow.history()  # replay alone could not rebuild it
     assert _answers(again.client) == _answers(steady.client) == _ref_answers(flow)
@@ -306,16 +333,15 @@ def test_R_DUR_4_a_new_replica_bootstrapped_from_a_peer_equals_it(flow, servers,
     token_file.write_text(TOKEN)
     peer = servers("--api-token-file", str(token_file))
     _register(peer.client, flow, TOKEN)
-    time.sleep(0.3)
     flow.start()
-    time.sleep(RUN_S)
+    _run(flow)
     status, _ = peer.client.get("/v1/snapshot")
     assert status == 401  # the snapshot holds the registry: it needs the token
     flow.cap()
     new = servers("--api-token-file", str(token_file), "--bootstrap-from", f"http://127.0.0.1:{peer.port}")
     assert [e["id"] for e in new.client.get("/v1/engines")[1]] == ["e0", "e1"]
     _back(new.client, flow)
-    time.sleep(0.3)
+    _published_more(flow, 10)
     _settle(flow, new.client, peer.client)
     assert _answers(new.client) == _answers(peer.client) == _ref_answers(flow)
     _replayed(new.client)
@@ -343,7 +369,6 @@ def test_R_DUR_4_a_peer_that_is_not_there_means_starting_empty(servers):
 def test_R_DUR_1_get_snapshot_is_the_documented_file(flow, servers):
     svc = servers()
     _register(svc.client, flow)
-    time.sleep(0.3)
     for _ in range(5):
         flow.step()
     _caught_up(svc.client, flow)
@@ -369,12 +394,15 @@ def test_R_DUR_1_an_interval_with_nothing_new_writes_nothing(flow, servers, tmp_
     wait_for(lambda: writes("unchanged") >= 3, what="idle intervals skipped")
     assert writes("ok") == 1  # the first one is always written
     _register(svc.client, flow)
-    time.sleep(0.3)
     for _ in range(5):  # both engines publish (the flow's seeded choice), so both can catch up
         flow.step()
     _caught_up(svc.client, flow)
     wait_for(lambda: writes("ok") >= 2, what="a write after a change")
-    time.sleep(0.5)  # the interval after the last batch writes it (a write mid-flow may not have)
+    # An interval that found nothing new: the last batch is in a written snapshot by then
+    # (a write mid-flow may not have held it).
+    idle = writes("unchanged")
+    wait_for(lambda: writes("unchanged") > idle, what="an idle interval after the change")
     ok = writes("ok")
-    time.sleep(1.0)
+    idle = writes("unchanged")
+    wait_for(lambda: writes("unchanged") >= idle + 4, what="four more idle intervals")
     assert writes("ok") == ok  # nothing new since: skipped again

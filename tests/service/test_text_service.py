@@ -17,7 +17,7 @@ import pytest
 import textkit
 from evkit import store
 from indexer.producer.publisher import VllmPublisher
-from svc import ROOT, Server, free_port, sample, wait_for, wait_subscribed
+from svc import ROOT, Server, sample, wait_for, wait_subscribed
 
 pytest.importorskip("tokenizers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -149,7 +149,7 @@ def test_R_TXT_3_the_schema_says_exactly_one_of_the_three(world):
 
 def test_R_TXT_5_a_missing_or_broken_tokenizer_stops_the_start_naming_the_model(tmp_path):
     def serve(*args):
-        return subprocess.run([sys.executable, "-m", "api.cli", "serve", "--port", str(free_port()), *args],
+        return subprocess.run([sys.executable, "-m", "api.cli", "serve", "--port", "0", *args],
                               cwd=ROOT, capture_output=True, text=True, timeout=60)
 
     out = serve("--tokenizer", f"llama-x={tmp_path / 'nowhere'}")
@@ -167,13 +167,12 @@ def test_R_TXT_5_a_missing_or_broken_tokenizer_stops_the_start_naming_the_model(
 def test_R_TXT_7_tokenizing_leaves_the_event_loop_free(world):
     """R-TXT-7: while a very long prompt is tokenized, another request is answered first.
 
-    The long request is sent whole, then the server is given time to read it and start
-    tokenizing (~1 M tokens: seconds) before /healthz goes out on a second connection.
+    The long request is sent whole, then the server is seen working on it (its CPU time
+    grows: ~1 M tokens take seconds) before /healthz goes out on a second connection.
     Tokenized on the event loop, the long prompt would hold /healthz until it finished;
     off the loop, /healthz comes back first."""
     import socket
     import threading
-    import time
 
     s, _, _, _ = world
     body = json.dumps({"model": "chatml", "prompt": "token routing prefix cache " * 250_000}).encode()
@@ -191,7 +190,16 @@ def test_R_TXT_7_tokenizing_leaves_the_event_loop_free(world):
     t = threading.Thread(target=long_request)
     t.start()
     assert sent.wait(60)
-    time.sleep(0.5)  # the server reads the body and starts tokenizing
+
+    def cpu_s() -> float:  # the server's CPU time so far (utime + stime, /proc/PID/stat)
+        with open(f"/proc/{s.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    # The server reads the body and tokenizes it: it is busy with it once it has spent
+    # CPU time on it (the test sends nothing else meanwhile).
+    busy = cpu_s() + 0.3
+    wait_for(lambda: cpu_s() >= busy or done, timeout=60, what="the server to work on the long prompt")
     assert not done, "the long prompt was answered before it could be overtaken: make it longer"
     assert s.client.get("/healthz")[0] == 200
     done.append("healthz")

@@ -33,7 +33,11 @@ kv = vllm_kv_events.load()
 needs_vllm = pytest.mark.skipif(kv is None, reason=vllm_kv_events.MISSING)
 
 
-SUBSCRIBE_S = 0.3  # after the handshake, for the SUBSCRIBE to reach the PUB's I/O thread
+# After the handshake, for the SUBSCRIBE to reach the PUB's I/O thread. A sleep, not a
+# probe: vLLM's PUB sends only from its publisher thread (nothing else may use that
+# socket) and a SUB gets no acknowledgement; a recorder that missed a batch fails
+# OwnEngine.settle(), loudly.
+SUBSCRIBE_S = 0.3
 
 
 def connected_sub(endpoint: str, ctx: zmq.Context | None = None, *, settle: bool = True) -> zmq.Socket:

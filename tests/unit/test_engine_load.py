@@ -37,10 +37,12 @@ class Engine:
 
     def __init__(self) -> None:
         self.body = exposition(0, 0, 0.0)
+        self.scrapes = 0  # GETs served (the scraper polls one at a time)
         outer = self
 
         class H(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802
+                outer.scrapes += 1
                 data = outer.body.encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
@@ -96,7 +98,8 @@ def test_R_Q_7_requests_the_engine_no_longer_has_end(rig):
     assert w["in_flight"]["requests"] == 3
     until(lambda: next(x for x in ix.workers() if x["engine"] == "busy")["engine_load"] is not None,
           what="a scrape")
-    time.sleep(0.3)  # a few more scrapes: the engine still has all three
+    seen = eng.scrapes
+    until(lambda: eng.scrapes >= seen + 3, what="three more scrapes")  # the engine still has all three
     assert next(x for x in ix.workers() if x["engine"] == "busy")["in_flight"]["requests"] == 3
     # The engine finished them (their blocks were never announced: say, a lost event).
     eng.body = exposition(0, 0, 0.1)

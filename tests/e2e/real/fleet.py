@@ -41,7 +41,7 @@ def start_index(engines: list[VllmEngine], tokenizer_dir: str | None = None, *ex
     args = [a for e in engines for a in ("--engine", e.config())]
     if tokenizer_dir is not None:
         args += ["--tokenizer", f"{engines[0].model}={tokenizer_dir}"]
-    srv = Server(*args, "--log-level", "warning", *extra)
+    srv = Server(*args, *extra)  # log level info: svc.Server reads the bound port from uvicorn's start-up line
     wait_until(lambda: all(w.get("connected") for w in srv.client.get("/v1/workers")[1]),
                timeout=30, msg="index subscribed to every engine")
     return srv

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -31,8 +32,15 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from svc import free_port
 
+
+
+def free_port() -> int:
+    """A port free now (bound to 0 and released): for the engine's fixed ports only, which
+    its restarts must find again. Anything that can bind port 0 itself should."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 class VllmEngine:
     """One engine: fixed ports chosen at construction (a restart binds the same ones)."""
@@ -50,6 +58,8 @@ class VllmEngine:
         self.hash_algo = hash_algo
         self.int_hashes = int_hashes
         self.logdir = logdir
+        # Fixed up front, not bound by the engine itself: every incarnation (a restart) comes
+        # back on the same HTTP, PUB and replay ports, as a real deployment's engine does.
         self.port, self.zmq_port, self.replay_port = free_port(), free_port(), free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.incarnation = 0
