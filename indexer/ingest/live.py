@@ -195,6 +195,7 @@ class Indexer(ZmqTransport, Background, Queries):
         # Engine registrations and removals done, by (op, via): "register"/"unregister" x
         # who asked ("config", "api", "dynamo", "discovery", "library").
         self.changes: dict[tuple[str, str], int] = {}
+        self.counters: dict[str, int] = {}  # Ingest's: the ZMQ ingest's counters are the index's
         self.engine_loads: dict[tuple[str, int], EngineLoad] = {}  # the last report per worker
         if snapshot is not None:
             snapshot.restore(self.index)
