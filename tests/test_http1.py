@@ -305,7 +305,7 @@ def test_R_BAD_1_framing_and_connection_headers_go_to_the_parser(open_server):
 
 def _handled(svc, route, body: bytes):
     """The route's handler's (status, body) for ``body``, driven as the protocol drives it."""
-    coro = svc.serve_body(route, body)
+    coro = svc.endpoints.serve_body(route, body)
     try:
         coro.send(None)
     except StopIteration as done:
@@ -328,8 +328,8 @@ def test_R_Q_2_dynamo_query_plain_door_answers_as_the_handler_or_declines():
     apply(idx, [Stored(block_hashes=[1, 2], parent_block_hash=None, token_ids=t[:32], block_size=16,
                        medium="GPU", group_idx=0)], engine="8", model="other")
     app = create_app(index=idx)
-    svc = app.service  # type: ignore[attr-defined]
-    route = svc.routes["/query"]
+    svc = app.state.service
+    route = svc.endpoints.routes["/query"]
 
     def handler(b: bytes):
         return _handled(svc, route, b)
@@ -363,8 +363,8 @@ def test_R_Q_2_match_plain_door_answers_as_the_handler_or_declines():
     apply(idx, [store(t, 16, 0, 30)], engine="a")
     apply(idx, [store(t, 16, 0, 9)], engine="b", dp_rank=2)
     app = create_app(index=idx)
-    svc = app.service  # type: ignore[attr-defined]
-    route = svc.routes["/v1/match"]
+    svc = app.state.service
+    route = svc.endpoints.routes["/v1/match"]
 
     def handler(b: bytes):
         return _handled(svc, route, b)
