@@ -92,9 +92,11 @@ def create_app(settings: Settings | None = None, index: PrefixIndex | None = Non
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         headers = dict(exc.headers or {})
         if exc.status_code == 405:
-            # Starlette names the methods of the first route on the path only; name all.
+            # Starlette names the methods of the first route on the path only; name all. The
+            # routers' own routes: an included router is one entry of app.routes, not its routes.
             path = request.url.path
-            allowed = sorted({m for r in app.routes if getattr(r, "path_regex", None) is not None
+            allowed = sorted({m for r in (*app.router.routes, *(r for rt in ROUTERS for r in rt.routes))
+                              if getattr(r, "path_regex", None) is not None
                               and r.path_regex.match(path)  # type: ignore[attr-defined]  # checked just above
                               for m in (getattr(r, "methods", None) or ())})
             headers["Allow"] = ", ".join(allowed)
