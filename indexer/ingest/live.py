@@ -149,6 +149,9 @@ class Indexer(ZmqTransport, Background, Queries):
 
     # What each worker's Stream calls (a relay's publishes instead of applying).
     _sink_class: type[_Sink] = _Sink
+    # Ingest's counters: none of its own (the index's are in stats()), never written. A class
+    # attribute, not set in __init__: the relay sets its own before calling __init__.
+    counters: dict[str, int] = {}
 
     def __init__(
         self,
@@ -195,7 +198,6 @@ class Indexer(ZmqTransport, Background, Queries):
         # Engine registrations and removals done, by (op, via): "register"/"unregister" x
         # who asked ("config", "api", "dynamo", "discovery", "library").
         self.changes: dict[tuple[str, str], int] = {}
-        self.counters: dict[str, int] = {}  # Ingest's: the ZMQ ingest's counters are the index's
         self.engine_loads: dict[tuple[str, int], EngineLoad] = {}  # the last report per worker
         if snapshot is not None:
             snapshot.restore(self.index)
