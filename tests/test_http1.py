@@ -386,3 +386,15 @@ def test_R_Q_2_match_plain_door_answers_as_the_handler_or_declines():
         assert route.plain(route, b) is None, doc
         assert handler(b)[0] in (200, 404, 422), doc
     assert route.plain(route, json.dumps({"token_ids": t, "model": "other"}).encode()) is not None
+
+
+def test_a_uvicorn_without_the_driven_internals_is_refused_at_import(monkeypatch):
+    """api/http1.py drives uvicorn's protocol internals: one missing is an ImportError naming it."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from api import http1
+
+    http1._check_uvicorn()  # the installed uvicorn has all of it
+    monkeypatch.delattr(HttpToolsProtocol, "_start_asgi_task")
+    with pytest.raises(ImportError, match=r"lacks HttpToolsProtocol\._start_asgi_task"):
+        http1._check_uvicorn()
