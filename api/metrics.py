@@ -180,17 +180,16 @@ class _IndexCollector:
                                  "not yet announced (the index's own estimate).", labels=["engine", "dp_rank"])
         wdec = GaugeMetricFamily(f"{NS}_worker_in_flight_decode_blocks", "Decode blocks of requests routed to a "
                                  "worker and not yet done (max_tokens given).", labels=["engine", "dp_rank"])
-        if self.ingest is not None:
-            for w in self.ingest.workers():
-                if "connected" in w:
-                    states["connected" if w["connected"] else "disconnected"] += 1
-                    states["never_connected"] += not w["connects"]
-                    states["replaying"] += bool(w["replaying"])
-                    health.add_metric([w["engine"], str(w["dp_rank"]), w["health"]], 1)
-                    inf = w.get("in_flight")
-                    if inf is not None:
-                        wpre.add_metric([w["engine"], str(w["dp_rank"])], inf["prefill_tokens"])
-                        wdec.add_metric([w["engine"], str(w["dp_rank"])], inf["decode_blocks"])
+        for w in self.ingest.workers():
+            if "connected" in w:
+                states["connected" if w["connected"] else "disconnected"] += 1
+                states["never_connected"] += not w["connects"]
+                states["replaying"] += bool(w["replaying"])
+                health.add_metric([w["engine"], str(w["dp_rank"]), w["health"]], 1)
+                inf = w.get("in_flight")
+                if inf is not None:
+                    wpre.add_metric([w["engine"], str(w["dp_rank"])], inf["prefill_tokens"])
+                    wdec.add_metric([w["engine"], str(w["dp_rank"])], inf["decode_blocks"])
         states["stale"] = st["stale_workers"]
         yield health
         yield wpre

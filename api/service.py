@@ -1,7 +1,7 @@
 """The service's composition root: :class:`Service` builds every collaborator of one app
 from the settings (ingest, state keeper, auth, metrics, tokenizers, the page's
 records, discovery, the route handlers), holds them, and starts and stops them with
-the app. A collaborator the settings leave out is a null object (:class:`NoDiscovery`,
+the app. A collaborator the settings leave out is a null object (:class:`~api.discovery.NoDiscovery`,
 :class:`~api.auth.OpenAuth`, :class:`~api.state.NoStateDir`), so nothing here or in
 the routes asks whether one exists.
 """
@@ -16,6 +16,7 @@ from typing import Any
 from api import text
 from api.auth import Auth, OpenAuth
 from api.common import off_loop
+from api.discovery import NoDiscovery, discovery_for
 from api.dynamo import Dynamo
 from api.jsonroutes import Endpoints, JsonSpec
 from api.metrics import Metrics
@@ -31,21 +32,6 @@ from indexer.store.snapshot import SnapshotError
 from indexer.transport.discovery import DnsDiscovery
 
 log = logging.getLogger("kv_indexer.api")
-
-
-class NoDiscovery:
-    """No engines found by DNS (none configured, or a replica: its engines are the relay's)."""
-
-    name = ""
-
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-    def status(self) -> None:
-        return None
 
 
 class Service:
@@ -68,7 +54,7 @@ class Service:
         else:
             self.state = StateKeeper(settings)
             self.ingest = zmq = self._indexer(settings, index)
-            self.discovery = _discovery(settings, zmq)
+            self.discovery = discovery_for(settings, zmq)
         self.auth = Auth(settings.api_token, settings.auth_reads) if settings.api_token else OpenAuth()
         self.api_errors: dict[tuple[str, int], int] = {}
         self.metrics = Metrics(index, self.ingest, self.api_errors, self.auth, self.state)
@@ -140,15 +126,6 @@ class Service:
         await self.ingest.astop()
         self.text.close()
         await off_loop(self.state.final)  # after ingest stopped: the last state exactly
-
-
-def _discovery(settings: Settings, ingest: Indexer) -> DnsDiscovery | NoDiscovery:
-    """Engines found by DNS for ``ingest`` when the settings name a DNS name."""
-    d = settings.discovery
-    if d is None:
-        return NoDiscovery()
-    return DnsDiscovery(ingest, d.dns_name, port=d.port, replay_port=d.replay_port, metrics_port=d.metrics_port,
-                        dp_size=d.dp_size, model=d.model, topic=d.topic, interval_s=d.interval_s, grace_s=d.grace_s)
 
 
 def _is_loopback(host: str) -> bool:

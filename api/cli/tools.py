@@ -122,30 +122,23 @@ def cmd_relay(args: argparse.Namespace) -> int:
     relay = Relay(settings.engines, url=url, stream=settings.nats_stream, subject=settings.nats_subject,
                   replay_timeout_s=settings.replay_timeout_s, max_workers=settings.max_workers,
                   endpoint_policy=settings.endpoint_policy(), metrics_interval_s=settings.metrics_interval_s)
-    discovery = None
-    d = settings.discovery
-    if d is not None:
-        from indexer.transport.discovery import DnsDiscovery
+    from api.discovery import discovery_for
 
-        discovery = DnsDiscovery(relay, d.dns_name, port=d.port, replay_port=d.replay_port,
-                                 metrics_port=d.metrics_port, dp_size=d.dp_size, model=d.model, topic=d.topic,
-                                 interval_s=d.interval_s, grace_s=d.grace_s)
+    discovery = discovery_for(settings, relay)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     relay.start()
-    if discovery is not None:
-        discovery.start()
+    discovery.start()
     log.info("relay: %d engine(s) configured%s, publishing to stream %s (subject %s)", len(settings.engines),
-             f", discovering {d.dns_name}" if d is not None else "", settings.nats_stream, settings.nats_subject)
+             f", discovering {discovery.name}" if discovery.name else "", settings.nats_stream, settings.nats_subject)
     rc = 0
     while not done.wait(1.0):
         if not relay.running:
             log.error("relay: ingest stopped: %s", relay.error)
             rc = 1
             break
-    if discovery is not None:
-        discovery.stop()
+    discovery.stop()
     relay.stop()
     log.info("relay stopped: %s", relay.counters)
     return rc
