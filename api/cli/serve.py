@@ -122,14 +122,15 @@ def _run(uvicorn, app, settings: Settings) -> None:
     # Everything loaded so far (modules, the app, settings) lives as long as the
     # process: out of the cycle collector's view, a full collection walks only what
     # requests and ingest create (the index's nodes and maps are never tracked).
-    try:  # the hot routes answered by the HTTP protocol itself (api/http1.py)
-        from api.http1 import bind
+    http: Any = "auto"  # uvicorn's own choice
+    if settings.fast_path:
+        try:  # the hot routes answered by the HTTP protocol itself (api/http1.py)
+            from api.http1 import bind
 
-        http: Any = bind(app)
-    except ModuleNotFoundError as e:  # no httptools: uvicorn's own choice (a uvicorn it does not fit raises)
-        if e.name != "httptools":
-            raise
-        http = "auto"
+            http = bind(app)
+        except ModuleNotFoundError as e:  # no httptools; a uvicorn http1 does not fit raises its own ImportError
+            if e.name != "httptools":
+                raise
     # Queries (the event loop thread) and ingest (its own thread) share the GIL. A thread
     # that wants it waits until the holder blocks or the switch interval (5 ms by
     # default) runs out: under sustained ingest that wait was the query p99 (2.7 ms at
