@@ -49,6 +49,10 @@ def client_of(scope: MutableMapping[str, Any]) -> str:
 class Auth:
     """The check for one configured token; counts refusals in ``failures`` by reason."""
 
+    # A token is configured: refusals are counted and exported (kvi_auth_failures), the
+    # OpenAPI document declares the bearer scheme.
+    enforced = True
+
     def __init__(self, token: str, auth_reads: bool = False) -> None:
         self._expected = f"Bearer {token}".encode()
         self.auth_reads = auth_reads
@@ -79,4 +83,20 @@ class Auth:
             log.warning("refused %s %s from %s: wrong bearer token", method, path, client_of(scope))
             return 403, "the bearer token is not valid", [
                 (b"www-authenticate", b'Bearer realm="kv-indexer", error="invalid_token"')]
+        return None
+
+
+class OpenAuth(Auth):
+    """No token configured: every request may go on (the service calls it all the same)."""
+
+    enforced = False
+
+    def __init__(self) -> None:
+        self.auth_reads = False
+        self.failures = {"missing": 0, "wrong": 0}
+
+    def needs_token(self, method: str, path: str) -> bool:
+        return False
+
+    def refuse(self, scope: MutableMapping[str, Any]) -> tuple[int, str, list[tuple[bytes, bytes]]] | None:
         return None

@@ -1,5 +1,5 @@
-"""What the route modules share: the client-error exception, block-key checks and the
-off-loop helper for ingest commands."""
+"""What the route modules share: the client-error exception and error bodies, block-key
+checks and the off-loop helper for ingest commands."""
 
 from __future__ import annotations
 
@@ -10,6 +10,11 @@ import msgspec
 ENC = msgspec.json.Encoder()
 JSON = "application/json"
 _U64 = (1 << 64) - 1
+
+
+def error_body(detail: str, key: str = "detail") -> bytes:
+    """An error answer's JSON body: ``{key: detail}`` ("detail" ours and FastAPI's, "error" Dynamo's)."""
+    return ENC.encode({key: detail})
 
 
 class HTTPError(Exception):

@@ -19,11 +19,9 @@ from __future__ import annotations
 import time
 
 import msgspec
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
 
 from api import schemas
-from api.common import ENC, JSON, HTTPError, u64_keys
+from api.common import ENC, HTTPError, u64_keys
 from indexer._native import core as _core
 from indexer.wire.engines import EngineConfig
 
@@ -87,11 +85,11 @@ class Dynamo:
                 raise HTTPError(409, f"instance {eid} is already registered for model={name} routing_group={group}")
         if any(rank in old.ranks for old in olds):
             raise HTTPError(409, f"instance {eid} dp_rank {rank} already registered")
-        known = self.block_sizes.get(model) or self.svc.index_block_size(model)
+        known = self.block_sizes.get(model) or self.svc.index.block_size(model)
         if known is not None and known != q.block_size:
             raise HTTPError(409, f"block_size mismatch for model={q.model_name} routing_group="
                                    f"{q.routing_group or DEFAULT_GROUP}: existing={known}, requested={q.block_size}")
-        await self.svc.subscribe(cfg, "dynamo", refused_status=400)  # Dynamo: a bad endpoint is 400
+        await self.svc.admin.subscribe(cfg, "dynamo", refused_status=400)  # Dynamo: a bad endpoint is 400
         self.partitions[model] = (q.model_name, q.routing_group or DEFAULT_GROUP)
         self.block_sizes[model] = q.block_size
         return 201, OK
@@ -111,9 +109,9 @@ class Dynamo:
             # Dynamo honours dp_rank only with routing_group: that one listener goes.
             if not any(q.dp_rank in c.ranks for c in mine):
                 raise HTTPError(404, f"instance {eid} dp_rank {q.dp_rank} not found")
-            await self.svc.unsubscribe(eid, "dynamo", q.dp_rank)
+            await self.svc.admin.unsubscribe(eid, "dynamo", q.dp_rank)
         else:
-            await self.svc.unsubscribe(eid, "dynamo")
+            await self.svc.admin.unsubscribe(eid, "dynamo")
         live = {c.model for c in self.svc.ingest.engines()}
         for m in [m for m in self.partitions if m not in live]:  # bounded by the fleet, like the index's models
             self.partitions.pop(m, None)
@@ -121,7 +119,7 @@ class Dynamo:
         return 200, OK
 
     async def query(self, q: schemas.DynQuery):
-        self.svc.check_tokens(q.token_ids)
+        self.svc.queries.check_tokens(q.token_ids)
         t0 = time.perf_counter()
         model = self.model(q.model_name, q.routing_group)
         try:
@@ -129,11 +127,11 @@ class Dynamo:
         except KeyError:  # the index's own lookup: no per-query scan of the models
             raise self.no_indexer(q.model_name, q.routing_group) from None
         out = self.answer(res)
-        self.svc.observe("/query", t0, res)
+        self.svc.queries.observe("/query", t0, res)
         return 200, out
 
     def query_plain(self, route, body: bytes) -> bytes | None:
-        """:meth:`query`'s answer to the common request (``Service.plain_request``, a model
+        """:meth:`query`'s answer to the common request (``Queries.plain_request``, a model
         of the common shape: :meth:`~indexer.query.match.Query.match_plain`), from the body as
         read, in few Python frames (the calls below are compiled or inlined on purpose: see
         match_plain); None for any other request, which the caller then serves through
@@ -141,7 +139,7 @@ class Dynamo:
         if _dynamo_answer is None:
             return None
         svc = self.svc
-        got = svc.plain_request(route, body)
+        got = svc.queries.plain_request(route, body)
         if got is None:
             return None
         q, buf = got
@@ -156,7 +154,7 @@ class Dynamo:
             return None
         ws = res.workers
         out = _dynamo_answer(ws, res.block_size or 0)
-        # Service.observe's figures; a WorkerMatch's [1] is -total_blocks (no property frame).
+        # Queries.observe's figures; a WorkerMatch's [1] is -total_blocks (no property frame).
         svc.metrics.observe("/query", time.perf_counter() - t0, -ws[0][1] if ws else 0)
         return out
 
@@ -164,7 +162,7 @@ class Dynamo:
         if q.cache_salt is not None:
             raise HTTPError(400, "cache_salt is not accepted by /query_by_hash; block_hashes must already "
                                  "include the intended cache salt")
-        self.svc.check_tokens(q.block_hashes)
+        self.svc.queries.check_tokens(q.block_hashes)
         keys = u64_keys(q.block_hashes)  # the input is checked before the model is looked up
         t0 = time.perf_counter()
         model = self.model(q.model_name, q.routing_group)
@@ -173,7 +171,7 @@ class Dynamo:
         except KeyError:
             raise self.no_indexer(q.model_name, q.routing_group) from None
         out = self.answer(res)
-        self.svc.observe("/query_by_hash", t0, res)
+        self.svc.queries.observe("/query_by_hash", t0, res)
         return 200, out
 
     @staticmethod
@@ -263,37 +261,9 @@ class Dynamo:
                 "status": "pending" if "pending" in statuses else "active",
                 "model_name": name,
                 "routing_group": grp,
-                "block_size": self.block_sizes.get(cfgs[0].model) or self.svc.index_block_size(cfgs[0].model),
+                "block_size": self.block_sizes.get(cfgs[0].model) or self.svc.index.block_size(cfgs[0].model),
                 "endpoints": endpoints,
                 "listeners": listeners,
             })
         return out
 
-
-def add_routes(app: FastAPI, svc, json_route) -> None:
-    """Mount Dynamo's routes on ``app``; errors as ``{"error": ...}`` like Dynamo's own."""
-    dyn = svc.dynamo = Dynamo(svc)
-    tags = ("dynamo-compatible",)
-    json_route("/register", schemas.DynRegister, dyn.register, ok=None, ok_status=201,
-               errors=(400, 409, 413, 422), summary="Dynamo: register one worker DP rank", tags=tags, error_key="error")
-    json_route("/unregister", schemas.DynUnregister, dyn.unregister, ok=None,
-               errors=(400, 404, 413, 422), summary="Dynamo: unregister a worker", tags=tags, error_key="error")
-    json_route("/query", schemas.DynQuery, dyn.query, hot=True, ok="DynQueryResponse",
-               summary="Dynamo: overlap per instance for token ids", tags=tags, error_key="error",
-               plain=dyn.query_plain)
-    json_route("/query_by_hash", schemas.DynQueryByHash, dyn.query_by_hash, hot=True, ok="DynQueryResponse",
-               summary="Dynamo: overlap per instance for local block hashes (i64)", tags=tags,
-               error_key="error")
-
-    @app.get("/workers", tags=list(tags), summary="Dynamo: registered workers and their listeners")
-    async def workers(request: Request) -> Response:
-        qp = request.query_params
-        return Response(ENC.encode(dyn.workers(qp.get("model_name"), qp.get("routing_group"))),
-                        media_type=JSON)
-
-    @app.get("/health", tags=list(tags), summary="Dynamo: process alive (empty 200)", response_class=Response,
-             responses={200: {"description": "alive", "content": None}})
-    async def health() -> Response:
-        return Response(b"", status_code=200)
-
-    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)

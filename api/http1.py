@@ -1,15 +1,15 @@
 """uvicorn's httptools protocol, with the hot JSON POST routes answered by the protocol itself.
 
 Why: on this project's 2-vCPU VM a keep-alive round trip to a bare httptools server
-costs ~150 us (client and kernel); through uvicorn and the ASGI fast path of
-``_App`` it cost ~300 us, the index's own work being ~15 us of it. The rest is
+costs ~150 us (client and kernel); through uvicorn and an ASGI shortcut ahead of
+FastAPI it cost ~300 us, the index's own work being ~15 us of it. The rest is
 uvicorn's per-request machinery: a scope dict, a ``RequestResponseCycle``, an asyncio
 Task, ASGI receive/send message dicts, two ``transport.write`` calls (status line
 and headers, then the body: two TCP segments), the proxy-headers middleware.
 
-Here a POST to a hot route (``_App.fast_routes``) on a keep-alive HTTP/1.1
-connection is read by the parser callbacks, handed to ``Service.serve_body`` (the
-same handler the ASGI paths call: same decoding, auth, errors and counters) and,
+Here a POST to a hot route (``Endpoints.hot``) on a keep-alive HTTP/1.1
+connection is read by the parser callbacks, handed to ``Endpoints.serve_body`` (the
+same handler FastAPI's endpoint calls: same decoding, auth, errors and counters) and,
 when the handler finishes without waiting (every ``token_ids`` query), answered
 with one write, inside the same ``data_received`` call. A handler that does wait
 (a text prompt tokenized off the loop) goes on in a Task, and a pipelined request
@@ -29,6 +29,11 @@ the held request.
 
 Not seen on the hot routes: ``X-Forwarded-For`` (uvicorn's proxy-headers
 middleware), which only named the client in a refused-token log line there.
+
+This subclasses uvicorn's protocol and drives its internals (the parser callbacks, the
+keep-alive timer, the pipeline, ``STATUS_LINE``): pyproject.toml bounds uvicorn to the
+minor versions this was checked against, and importing this module raises ImportError
+naming what is missing when a uvicorn lacks any of it (``_check_uvicorn``).
 """
 
 from __future__ import annotations
@@ -37,11 +42,45 @@ import re
 from collections.abc import Coroutine, Generator
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+import uvicorn
+from uvicorn.protocols.http import httptools_impl
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from api.app import error_body
+from api.common import error_body
 
 __all__ = ["bind"]
+
+# What this module calls or overrides on uvicorn's protocol, and the instance attributes
+# it reads and sets (assigned in the methods named).
+_METHODS = ("data_received", "shutdown", "on_message_begin", "on_headers_complete", "on_body",
+            "on_message_complete", "on_response_complete", "_start_asgi_task", "timeout_keep_alive_handler",
+            "_unset_keepalive_if_required")
+_ATTRIBUTES = {
+    "__init__": ("access_log", "limit_concurrency", "timeout_keep_alive_task", "timeout_keep_alive", "server_state",
+                 "tasks", "pipeline", "cycle", "loop", "parser", "transport", "flow"),
+    "connection_made": ("transport", "flow"),
+    "on_message_begin": ("url", "scope", "expect_100_continue"),
+}
+
+
+def _check_uvicorn() -> None:
+    """Raise ImportError naming what this uvicorn's httptools protocol lacks of what the
+    fast path drives (a uvicorn outside the pinned range)."""
+    missing = [f"HttpToolsProtocol.{n}" for n in _METHODS if not callable(getattr(HttpToolsProtocol, n, None))]
+    for method, names in _ATTRIBUTES.items():
+        fn = getattr(HttpToolsProtocol, method, None)
+        assigned = set(getattr(getattr(fn, "__code__", None), "co_names", ()))
+        missing += [f"self.{n} (in {method})" for n in names if n not in assigned]
+    if not isinstance(getattr(httptools_impl, "STATUS_LINE", None), dict):
+        missing.append("httptools_impl.STATUS_LINE")
+    if missing:
+        raise ImportError(f"api.http1: uvicorn {uvicorn.__version__}'s httptools protocol lacks {', '.join(missing)}; "
+                          "the hot-route protocol was written against the uvicorn range pinned in pyproject.toml: "
+                          "install a uvicorn in that range, or set fast_path: false")
+
+
+_check_uvicorn()
+STATUS_LINE: dict[int, bytes] = httptools_impl.STATUS_LINE
 
 _JSON_HEADERS = b"content-type: application/json\r\ncontent-length: "
 # Header lines as RFC 9110 allows them (a token, a colon, visible characters, spaces
@@ -105,9 +144,13 @@ class _Resumed:
 
 
 class FastHttpToolsProtocol(HttpToolsProtocol):
-    """``HttpToolsProtocol`` answering the hot routes of ``fast_app`` (see the module doc)."""
+    """``HttpToolsProtocol`` answering the hot routes of ``endpoints`` (see the module doc)."""
 
-    fast_app: Any = None  # the _App whose fast_routes, service and auth are used (bind())
+    # Set by bind(): the service's bound routes (``endpoints.hot``: the routes answered
+    # here, None for none), its auth and its body bound.
+    endpoints: Any = None
+    auth: Any = None
+    max_body = 0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -120,12 +163,12 @@ class FastHttpToolsProtocol(HttpToolsProtocol):
         # starts, the route).
         self._held: tuple[list[bytes], int, int, int, Any] | None = None
         self._closing = False  # shutdown came while a request was held
-        app = self.fast_app
+        hot = self.endpoints.hot
         # Whole hot requests read without the parser (_raw): {raw path: route}, when nothing
         # per request needs what only the parser's callbacks give (auth reads the headers).
         self._raw_routes: dict[bytes, Any] | None = (
-            {p.encode("latin-1"): r for p, r in app.fast_routes.items()}
-            if app.fast_routes is not None and app.auth is None and not self.access_log
+            {p.encode("latin-1"): r for p, r in hot.items()}
+            if hot is not None and not self.auth.enforced and not self.access_log
             and self.limit_concurrency is None else None)
 
     def data_received(self, data: bytes) -> None:
@@ -197,7 +240,7 @@ class FastHttpToolsProtocol(HttpToolsProtocol):
                 elif name in _REFRAME and (name != b"connection" or value.strip(b" \t").lower() != b"keep-alive"):
                     return False
         body = data[head_end + 4:]
-        if len(body) > clen or clen > self.fast_app.service.settings.max_request_bytes:
+        if len(body) > clen or clen > self.max_body:
             return False
         task = self.timeout_keep_alive_task  # _unset_keepalive_if_required, inlined
         if task is not None:
@@ -240,8 +283,7 @@ class FastHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
-        app = self.fast_app
-        routes = app.fast_routes
+        routes = self.endpoints.hot
         parser = self.parser
         cycle = self.cycle
         if (routes is not None and (cycle is None or cycle.response_complete) and not self.access_log
@@ -269,7 +311,7 @@ class FastHttpToolsProtocol(HttpToolsProtocol):
             super().on_body(body)
             return
         self._size += len(body)
-        if self._size <= self.fast_app.service.settings.max_request_bytes:
+        if self._size <= self.max_body:
             self._body.append(body)  # past the bound: read and dropped, answered 413 at the end
 
     def on_message_complete(self) -> None:
@@ -280,18 +322,14 @@ class FastHttpToolsProtocol(HttpToolsProtocol):
             return
         self._route = None
         cycle: _FastCycle = self.cycle  # type: ignore[assignment]
-        app = self.fast_app
-        svc = app.service
-        auth = app.auth
-        if auth is not None:
-            refused = auth.refuse(self.scope)
-            if refused is not None:
-                status, msg, headers = refused
-                self._respond(cycle, status, error_body(msg, route.error_key), headers)
-                return
-        limit = svc.settings.max_request_bytes
+        refused = self.auth.refuse(self.scope)
+        if refused is not None:
+            status, msg, headers = refused
+            self._respond(cycle, status, error_body(msg, route.error_key), headers)
+            return
+        limit = self.max_body
         if self._size > limit:
-            status, out = svc.refused(route, 413, f"request body exceeds the limit of {limit} bytes")
+            status, out = self.endpoints.refused(route, 413, f"request body exceeds the limit of {limit} bytes")
             self._respond(cycle, status, out)
             return
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
@@ -307,7 +345,7 @@ class FastHttpToolsProtocol(HttpToolsProtocol):
             if out is not None:
                 self._respond(cycle, 200, out)
                 return
-        coro = self.fast_app.service.serve_body(route, body)
+        coro = self.endpoints.serve_body(route, body)
         try:
             fut = coro.send(None)
         except StopIteration as done:
@@ -342,11 +380,9 @@ class FastHttpToolsProtocol(HttpToolsProtocol):
 
 
 def bind(app: Any) -> type[HttpToolsProtocol]:
-    """The protocol class for uvicorn's ``http=`` serving ``app`` (an ``_App``): its hot
-    routes answered as above when ``app.fast_routes`` is set, uvicorn's path otherwise.
-    Raises ImportError when this uvicorn's protocol lacks what the fast path drives."""
-    needed = ("on_headers_complete", "on_body", "on_message_complete", "on_response_complete", "_start_asgi_task",
-              "timeout_keep_alive_handler", "_unset_keepalive_if_required")
-    if not all(hasattr(HttpToolsProtocol, n) for n in needed):
-        raise ImportError("uvicorn's HttpToolsProtocol changed: serving without the protocol fast path")
-    return type("KviHttpToolsProtocol", (FastHttpToolsProtocol,), {"fast_app": app})
+    """The protocol class for uvicorn's ``http=`` serving ``app`` (built by ``create_app``):
+    its service's hot routes answered as above (none when ``fast_path`` is off: then
+    everything is uvicorn's path)."""
+    svc = app.state.service
+    return type("KviHttpToolsProtocol", (FastHttpToolsProtocol,),
+                {"endpoints": svc.endpoints, "auth": svc.auth, "max_body": svc.settings.max_request_bytes})

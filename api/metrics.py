@@ -15,11 +15,16 @@ histograms the app observes. Every label set is bounded:
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
+
+if TYPE_CHECKING:
+    from api.auth import Auth
+    from api.state import StateKeeper
+    from indexer.ingest.base import Ingest
 
 NS = "kvi"
 
@@ -75,8 +80,7 @@ class _Histograms:
 class Metrics:
     """The registry of one app: histograms observed per query, the rest read on scrape."""
 
-    def __init__(self, index: Any, ingest: Any, api_errors: dict, auth_failures: dict | None = None,
-                 state: Any = None) -> None:
+    def __init__(self, index: Any, ingest: Ingest, api_errors: dict, auth: Auth, state: StateKeeper) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.query_seconds = _Histograms(
             f"{NS}_query_duration_seconds", "Time to answer a query route, in the handler.", _LATENCY_BUCKETS)
@@ -84,7 +88,7 @@ class Metrics:
             f"{NS}_query_matched_blocks", "Longest prefix (blocks, all tiers) of the best worker per query.",
             _BLOCK_BUCKETS)
         self.registry.register(_IndexCollector(index, ingest, api_errors, (self.query_seconds, self.matched_blocks),
-                                               auth_failures, state))
+                                               auth, state))
 
     def observe(self, route: str, seconds: float, blocks: int) -> None:
         """Count one query of ``route`` in both histograms (one frame: it runs per query)."""
@@ -97,14 +101,14 @@ class Metrics:
 
 
 class _IndexCollector:
-    def __init__(self, index: Any, ingest: Any, api_errors: dict, histograms: tuple = (),
-                 auth_failures: dict | None = None, state: Any = None) -> None:
+    def __init__(self, index: Any, ingest: Ingest, api_errors: dict, histograms: tuple, auth: Auth,
+                 state: StateKeeper) -> None:
         self.index = index
         self.state = state  # api.state.StateKeeper: snapshots loaded and written
         self.ingest = ingest
         self.api_errors = api_errors  # {(route path, status): n}, kept by the app
         self.histograms = histograms
-        self.auth_failures = auth_failures  # {"missing" | "wrong": n}, kept by api.auth; None = no token
+        self.auth = auth  # its failures {"missing" | "wrong": n}, exported while a token is enforced
 
     def describe(self):
         return []
@@ -176,17 +180,16 @@ class _IndexCollector:
                                  "not yet announced (the index's own estimate).", labels=["engine", "dp_rank"])
         wdec = GaugeMetricFamily(f"{NS}_worker_in_flight_decode_blocks", "Decode blocks of requests routed to a "
                                  "worker and not yet done (max_tokens given).", labels=["engine", "dp_rank"])
-        if self.ingest is not None:
-            for w in self.ingest.workers():
-                if "connected" in w:
-                    states["connected" if w["connected"] else "disconnected"] += 1
-                    states["never_connected"] += not w["connects"]
-                    states["replaying"] += bool(w["replaying"])
-                    health.add_metric([w["engine"], str(w["dp_rank"]), w["health"]], 1)
-                    inf = w.get("in_flight")
-                    if inf is not None:
-                        wpre.add_metric([w["engine"], str(w["dp_rank"])], inf["prefill_tokens"])
-                        wdec.add_metric([w["engine"], str(w["dp_rank"])], inf["decode_blocks"])
+        for w in self.ingest.workers():
+            if "connected" in w:
+                states["connected" if w["connected"] else "disconnected"] += 1
+                states["never_connected"] += not w["connects"]
+                states["replaying"] += bool(w["replaying"])
+                health.add_metric([w["engine"], str(w["dp_rank"]), w["health"]], 1)
+                inf = w.get("in_flight")
+                if inf is not None:
+                    wpre.add_metric([w["engine"], str(w["dp_rank"])], inf["prefill_tokens"])
+                    wdec.add_metric([w["engine"], str(w["dp_rank"])], inf["decode_blocks"])
         states["stale"] = st["stale_workers"]
         yield health
         yield wpre
@@ -204,13 +207,13 @@ class _IndexCollector:
                                 value=fl["predicted_nodes"])
         ch = CounterMetricFamily(f"{NS}_engine_changes", "Engines registered and unregistered, by who asked "
                                  "(config, api, dynamo, discovery, library).", labels=["op", "via"])
-        for (op, via), n in sorted((self.ingest.changes if self.ingest is not None else {}).items()):
+        for (op, via), n in sorted(self.ingest.changes.items()):
             ch.add_metric([op, via], n)
         yield ch
-        if self.auth_failures is not None:
+        if self.auth.enforced:
             af = CounterMetricFamily(f"{NS}_auth_failures", "Requests refused for a missing (401) or wrong (403) "
                                      "bearer token.", labels=["reason"])
-            for reason, n in sorted(self.auth_failures.items()):
+            for reason, n in sorted(self.auth.failures.items()):
                 af.add_metric([reason], n)
             yield af
         ws = GaugeMetricFamily(f"{NS}_workers", "Workers by state (a worker can be in several).", labels=["state"])
@@ -227,13 +230,12 @@ class _IndexCollector:
         yield GaugeMetricFamily(f"{NS}_workers_known", "Workers the index knows.", value=st["workers"])
         for h in self.histograms:
             yield h.family()
-        if getattr(self.ingest, "counters", None) is not None:  # a JetStream replica (indexer.ingest.jetstream)
+        if self.ingest.counters:  # a JetStream replica's (indexer.ingest.jetstream); the ZMQ ingest has none
             yield from _jetstream(self.ingest)
-        if self.state is not None:
-            yield from _snapshots(self.state)
+        yield from _snapshots(self.state)
 
 
-def _snapshots(k: Any):
+def _snapshots(k: StateKeeper):
     """kvi_snapshot_*: the state keeper's counters (api.state), read at scrape time."""
     ld = CounterMetricFamily(f"{NS}_snapshot_loads", "Snapshots read at start, by source (state_dir, peer), "
                              "outcome (ok, refused, error) and reason (magic, truncated, checksum, version, "
@@ -256,7 +258,9 @@ def _snapshots(k: Any):
 
 
 def _jetstream(ing: Any):
-    """kvi_jetstream_*: a replica's counters of the event log (read, never computed)."""
+    """kvi_jetstream_*: a replica's counters of the event log (read, never computed).
+    ``ing`` is a ``JetStreamIngest`` (its stream position and NATS link are its own, not
+    the ``Ingest`` protocol's); typed loosely so nats stays off the service's import path."""
     c = ing.counters
     m = CounterMetricFamily(f"{NS}_jetstream_messages", "Event-log messages, by outcome (applied, duplicate: "
                             "already applied per the sequencer's rule, bad: headers missing).", labels=["outcome"])

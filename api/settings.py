@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+import msgspec.inspect
+from msgspec import Meta
 
 from indexer.wire.engines import EndpointPolicy, EngineConfig
 
@@ -53,82 +55,106 @@ class Discovery(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
 
 
 class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Everything the service can be told. Field docs are the ``--help`` text."""
+    """Everything the service can be told. Each field's ``Meta(description=...)`` is its
+    one help text: ``--help``, the environment table and the flags read it (``FIELDS``)."""
 
-    host: str = "127.0.0.1"
-    port: int = 8080
-    engines: tuple[EngineConfig, ...] = ()
+    host: Annotated[str, Meta(description="listen address")] = "127.0.0.1"
+    port: Annotated[int, Meta(description="listen port")] = 8080
+    engines: Annotated[tuple[EngineConfig, ...], Meta(description=(
+        "engines to subscribe to at start (list of {id, endpoint, model, replay_endpoint, topic, dp_size, "
+        "metrics_url})"))] = ()
     # Engines found by DNS (a Kubernetes headless Service), besides the static list.
-    discovery: Discovery | None = None
+    discovery: Annotated[Discovery | None, Meta(description=(
+        "engines by DNS: {dns_name, port, replay_port, metrics_port, dp_size, model, topic, interval_s, "
+        "grace_s}"))] = None
     # Score credit per block served from each tier (contract R-Q-3).
-    credits: dict[str, float] = msgspec.field(
+    credits: Annotated[dict[str, float], Meta(description=(
+        "score credit per block per tier (JSON object in the environment)"))] = msgspec.field(
         default_factory=lambda: {"GPU": 1.0, "CPU": 0.75, "STORAGE": 0.25}
     )
-    stale_factor: float = 0.5
-    max_orphans: int = 10_000
-    orphan_ttl_s: float = 30.0
-    # Node cap per prefix tree (one tree per model and KV-cache group); 0 = no cap.
-    max_nodes: int = 0
-    max_request_tokens: int = 1_000_000
-    max_request_bytes: int = 16 * 1024 * 1024
-    replay_timeout_s: float = 5.0
-    # /readyz: the share of subscribed workers that must be connected and not replaying.
+    stale_factor: Annotated[float, Meta(description="multiplier on a stale worker's score when ranking, 0..1")] = 0.5
+    max_orphans: Annotated[int, Meta(description="stores waiting for their parent, at most (the oldest go first)")] \
+        = 10_000
+    orphan_ttl_s: Annotated[float, Meta(description="seconds a store may wait for its parent")] = 30.0
+    # One tree per model and KV-cache group.
+    max_nodes: Annotated[int, Meta(description="node cap per prefix tree (model x KV-cache group); 0 = no cap")] = 0
+    max_request_tokens: Annotated[int, Meta(description=(
+        "tokens (or block keys) per query, at most; more gets 413"))] = 1_000_000
+    max_request_bytes: Annotated[int, Meta(description="request body bytes, at most; more gets 413")] \
+        = 16 * 1024 * 1024
+    replay_timeout_s: Annotated[float, Meta(description=(
+        "seconds a replay may take before the worker is marked stale"))] = 5.0
     # 0 (the default): ready once ingest runs, so one unreachable engine never takes
     # the pod out of its Service; per-worker health is in /v1/workers and /metrics.
-    ready_fraction: float = 0.0
-    # The bearer token mutating routes need (engine register/unregister); unset = open.
-    api_token: str | None = None
-    # A file holding the token (a mounted Secret); read once at start.
-    api_token_file: str | None = None
-    # Reads need the token too (all but /healthz, /readyz and /health).
-    auth_reads: bool = False
-    # Hosts engines may be at: names, *.DOMAIN, IPs or CIDRs; empty = any (tcp:// only).
-    allowed_endpoints: tuple[str, ...] = ()
-    # Engine DP ranks subscribed at once (sockets and file descriptors grow with it).
-    max_workers: int = 2048
+    ready_fraction: Annotated[float, Meta(description=(
+        "/readyz: share of subscribed workers that must be connected and not replaying, 0..1 "
+        "(0: ready once ingest runs; per-worker health is in /v1/workers and kvi_worker_health)"))] = 0.0
+    api_token: Annotated[str | None, Meta(description=(
+        "bearer token the mutating routes need (engine register/unregister); unset = open. "
+        "Prefer the environment or a file to a flag"))] = None
+    # Read once at start.
+    api_token_file: Annotated[str | None, Meta(description=(
+        "a file holding the token (e.g. a mounted Secret), read at start"))] = None
+    auth_reads: Annotated[bool, Meta(description=(
+        "every route needs the token, not only the mutating ones (probes excepted)"))] = False
+    allowed_endpoints: Annotated[tuple[str, ...], Meta(description=(
+        "hosts engines may be at (names, *.DOMAIN, IPs, CIDRs), checked before any connect; "
+        "empty = any; engines are tcp:// only (comma-separated or a JSON list in the environment)"))] = ()
+    # Sockets and file descriptors grow with it.
+    max_workers: Annotated[int, Meta(description=(
+        "engine DP ranks subscribed at once, at most (each holds up to 4 sockets)"))] = 2048
     # /v1/route: cost = prefill_load_scale * uncached prefill blocks + decode blocks.
-    prefill_load_scale: float = 1.0
-    # Score credit of a predicted block (routed, prefill not ended); 1.0: a FIFO engine
-    # will hold it by the time a later request's prefill starts.
-    predicted_credit: float = 1.0
+    prefill_load_scale: Annotated[float, Meta(description="/v1/route cost weight of uncached prefill blocks")] = 1.0
+    # 1.0: a FIFO engine will hold the block by the time a later request's prefill starts.
+    predicted_credit: Annotated[float, Meta(description=(
+        "score credit of a predicted block (routed to a worker, prefill not announced yet)"))] = 1.0
     # A routed request's prediction and prefill load end when its worker announces the
     # blocks, or after this (a request that never announces: aborted, evicted, lost).
-    prefill_ttl_s: float = 30.0
-    # Its decode load (max_tokens) ends at POST /v1/route/{id}/done, or after this.
-    decode_ttl_s: float = 300.0
-    # Routed requests kept in flight at most; beyond, the oldest is forgotten (counted).
-    max_in_flight: int = 20_000
-    # How often engines with a metrics_url (vLLM /metrics) are scraped for their queues.
-    metrics_interval_s: float = 2.0
-    # Warm restarts: the directory the index's snapshot is kept in (a mounted volume);
-    # unset = no snapshot, a restart starts empty.
-    state_dir: str | None = None
-    # How often the snapshot is written (also on SIGTERM); 0 = only on SIGTERM.
-    snapshot_interval_s: float = 60.0
-    # A peer's base URL (http://HOST:PORT): at start, copy its state (GET /v1/snapshot),
-    # engine registry included, then follow the engines from the snapshot's seqs.
-    bootstrap_from: str | None = None
-    # NATS server URL: consume the relay's JetStream event log instead of ZMQ (and keep
-    # snapshots in JetStream's object store); unset = subscribe to the engines directly.
-    nats_url: str | None = None
-    # The JetStream stream, its subject and the object-store bucket of snapshots.
-    nats_stream: str = "KVI_EVENTS"
-    nats_subject: str = "kvi.events"
-    nats_bucket: str = "kvi-snapshots"
-    log_level: str = "info"
-    log_json: bool = False
-    access_log: bool = False
-    # Answer the hot query routes ahead of FastAPI's middleware stack (same handlers, ~50 us less a call).
-    fast_path: bool = True
+    prefill_ttl_s: Annotated[float, Meta(description=(
+        "seconds a route's prediction and prefill load last when its worker never announces the blocks"))] = 30.0
+    decode_ttl_s: Annotated[float, Meta(description=(
+        "seconds a route's decode load (max_tokens) lasts without POST /v1/route/{id}/done"))] = 300.0
+    # Beyond it, the oldest is forgotten (counted).
+    max_in_flight: Annotated[int, Meta(description=(
+        "routed requests kept in flight at most (the oldest beyond are forgotten, counted)"))] = 20_000
+    metrics_interval_s: Annotated[float, Meta(description=(
+        "seconds between scrapes of engines' vLLM /metrics (engines with a metrics_url)"))] = 2.0
+    # Warm restarts: a mounted volume.
+    state_dir: Annotated[str | None, Meta(description=(
+        "directory of the index's snapshot (warm restart: loaded at start, written every "
+        "snapshot_interval_s and on SIGTERM); unset = start empty"))] = None
+    snapshot_interval_s: Annotated[float, Meta(description=(
+        "seconds between snapshots to the state dir or the object store; 0 = only on SIGTERM"))] = 60.0
+    # http://HOST:PORT; the engine registry comes with the snapshot, then the engines are
+    # followed from the snapshot's seqs.
+    bootstrap_from: Annotated[str | None, Meta(description=(
+        "a peer's base URL: copy its state (GET /v1/snapshot) at start, then follow the engines"))] = None
+    # Snapshots then live in JetStream's object store; unset = subscribe to the engines directly.
+    nats_url: Annotated[str | None, Meta(description=(
+        "NATS server: consume the relay's JetStream event log instead of the engines' ZMQ"))] = None
+    nats_stream: Annotated[str, Meta(description="JetStream stream of the event log")] = "KVI_EVENTS"
+    nats_subject: Annotated[str, Meta(description="subject the relay publishes batches on")] = "kvi.events"
+    nats_bucket: Annotated[str, Meta(description="JetStream object-store bucket of snapshots")] = "kvi-snapshots"
+    log_level: Annotated[str, Meta(description="critical, error, warning, info or debug")] = "info"
+    log_json: Annotated[bool, Meta(description="log one JSON object per line")] = False
+    access_log: Annotated[bool, Meta(description="log every HTTP request")] = False
+    # Same handlers either way (api/http1.py), ~50 us less a call.
+    fast_path: Annotated[bool, Meta(description=(
+        "answer the query routes ahead of FastAPI's middleware (same answers, less latency)"))] = True
     # The demo: a simulated fleet (engines x DP ranks, GPU + CPU tier) replaying the
     # Mooncake trace at this speed-up, routed by the index; its engines are added.
-    demo: bool = False
-    demo_engines: int = 4
-    demo_dp_size: int = 2
-    demo_speedup: float = 10.0
-    # Per model, a Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json with
-    # its chat_template): requests may then send a prompt or chat messages instead of token ids.
-    tokenizers: dict[str, str] = msgspec.field(default_factory=dict)
+    demo: Annotated[bool, Meta(description=(
+        "also run the live demo fleet: simulated engines on 127.0.0.1 publishing over ZMQ, replaying the "
+        "Mooncake trace (synthetic requests without it); its engines are added"))] = False
+    demo_engines: Annotated[int, Meta(description="demo: simulated engines")] = 4
+    demo_dp_size: Annotated[int, Meta(description="demo: DP ranks per engine")] = 2
+    demo_speedup: Annotated[float, Meta(description=(
+        "demo: divide the trace's timestamps by this (synthetic requests: 3.3 x this per second)"))] = 10.0
+    # Hugging Face tokenizer directories: tokenizer.json, and tokenizer_config.json with its chat_template.
+    tokenizers: Annotated[dict[str, str], Meta(description=(
+        "per model, a Hugging Face tokenizer directory ({MODEL: DIR}; JSON in the environment): "
+        "requests may send a prompt or chat messages instead of token ids (needs the text extra)"))] = \
+        msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         def bad(name: str, msg: str) -> None:
@@ -234,7 +260,12 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         return out
 
 
-FIELDS = Settings.__struct_fields__
+# Every setting's name -> its help text (the field's description): the one declaration
+# ``--help``, its environment table and the CLI flags read.
+FIELDS: dict[str, str] = {
+    f.name: (f.type.extra_json_schema or {}).get("description", "") if isinstance(f.type, msgspec.inspect.Metadata)
+    else "" for f in msgspec.inspect.type_info(Settings).fields  # type: ignore[attr-defined]
+}
 # Settings whose environment value is JSON (the rest are scalars, parsed by type).
 _JSON_FIELDS = ("engines", "credits", "discovery", "tokenizers")
 

@@ -40,7 +40,7 @@ class StateKeeper:
         self.settings = settings
         self.path = os.path.join(settings.state_dir, FILE) if settings.state_dir else None
         self.interval_s = settings.snapshot_interval_s
-        self.dump: Callable[[], bytes] | None = None
+        self.dump: Callable[[], bytes | None] | None = None
         self.version: Callable[[], object] | None = None
         self._written: object = None  # version() at the last write
         self._stop = threading.Event()
@@ -132,7 +132,7 @@ class StateKeeper:
 
     # ------------------------------------------------------------- running
 
-    def start(self, dump: Callable[[], bytes], version: Callable[[], object] | None = None) -> None:
+    def start(self, dump: Callable[[], bytes | None], version: Callable[[], object] | None = None) -> None:
         """Write the snapshot every ``snapshot_interval_s`` (with a state dir and an interval).
         ``version()`` changes whenever the state may have: an interval where it did not
         skips the write (and the index lock it would hold)."""
@@ -159,6 +159,8 @@ class StateKeeper:
                 t0 = time.perf_counter()
                 v = self.version() if self.version is not None else None  # before the cut: never newer
                 data = self.dump()
+                if data is None:  # this ingest keeps no snapshot of its own: nothing to write
+                    return False
                 t1 = time.perf_counter()
                 write_atomic(self.path, data)
                 t2 = time.perf_counter()
@@ -179,3 +181,22 @@ class StateKeeper:
             self._thread.join(timeout=60)
         if self.path is not None and self.write():
             log.info("state: wrote %s (%.1f MB) at shutdown", self.path, self.last_bytes / 1e6)
+
+
+class NoStateDir(StateKeeper):
+    """The keeper of a service whose state is kept elsewhere (a JetStream replica: the
+    relay's object store). Reads and writes nothing; its counters stay zero, so the
+    metrics read it like any keeper."""
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.path = None
+
+    def initial(self) -> Snapshot | None:
+        return None
+
+    def start(self, dump: Callable[[], bytes | None], version: Callable[[], object] | None = None) -> None:
+        pass
+
+    def final(self) -> None:
+        pass

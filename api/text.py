@@ -18,7 +18,6 @@ from typing import Any
 
 import msgspec
 
-from api import schemas
 from api.common import HTTPError
 from indexer.text.tokenizer import ChatError, TextError, Tokenized, Tokenizer, load_tokenizers
 
@@ -100,57 +99,3 @@ class Texts:
                                        add_generation_prompt=None, continue_final_message=None,
                                        chat_template_kwargs=None)
 
-
-def add_routes(app: Any, svc: Any, json_route: Any) -> None:
-    """``POST /v1/tokenize``."""
-
-    async def tokenize(q: schemas.TokenizeRequest) -> tuple[int, Any]:
-        model, out, special = await svc.text.tokenize(q)
-        return 200, schemas.TokenizeResponse(model=model, token_ids=out.token_ids, count=len(out.token_ids),
-                                             text=out.text, add_special_tokens=special)
-
-    json_route("/v1/tokenize", schemas.TokenizeRequest, tokenize, ok="TokenizeResponse",
-               summary="Token ids of a prompt or chat messages, as the model's vLLM tokenizes them (debugging)")
-
-
-def document(components: dict[str, Any]) -> None:
-    """What msgspec's schema cannot say: exactly one of token_ids, prompt and messages (the
-    chat fields only with messages), text parts only, refused template kwargs."""
-    from indexer.text.chat import REFUSED_KWARGS
-
-    # A field sent as null counts as not sent (msgspec's None), so "absent" is {"type": "null"}.
-    null = {"type": "null"}
-    chat_only = {n: null for n in schemas.TEXT_FIELDS[2:]}
-    tokens, prompt, messages = {"type": "array"}, {"type": "string"}, {"type": "array"}
-    # continue_final_message needs add_generation_prompt false (it defaults to true), as in vLLM.
-    continuing_and_prompting = {"required": ["continue_final_message"], "properties": {
-        "continue_final_message": {"const": True}, "add_generation_prompt": {"not": {"const": False}}}}
-    for name in ("MatchRequest", "RouteRequest"):
-        # token_ids may now be null: the size bound create_app set belongs on the array.
-        prop = components[name]["properties"]["token_ids"]
-        if "maxItems" in prop and "anyOf" in prop:
-            bound = prop.pop("maxItems")
-            for alt in prop["anyOf"]:
-                if alt.get("type") == "array":
-                    alt["maxItems"] = bound
-        components[name]["oneOf"] = [
-            {"required": ["token_ids"], "properties": {"token_ids": tokens, "prompt": null, "messages": null,
-                                                       **chat_only}},
-            {"required": ["prompt"], "properties": {"prompt": prompt, "token_ids": null, "messages": null,
-                                                    **chat_only}},
-            {"required": ["messages"], "properties": {"messages": messages, "token_ids": null, "prompt": null},
-             "not": continuing_and_prompting},
-        ]
-    components["TokenizeRequest"]["oneOf"] = [
-        {"required": ["prompt"], "properties": {"prompt": prompt, "messages": null, **chat_only}},
-        {"required": ["messages"], "properties": {"messages": messages, "prompt": null},
-         "not": continuing_and_prompting},
-    ]
-    components["ContentPart"]["properties"]["type"] = {"const": "text"}
-    components["ContentPart"]["properties"]["text"] = {"type": "string"}
-    for name in ("MatchRequest", "RouteRequest", "TokenizeRequest"):
-        props = components[name]["properties"]
-        kw = props["chat_template_kwargs"]
-        for alt in kw.get("anyOf", [kw]):
-            if alt.get("type") == "object":
-                alt["propertyNames"] = {"not": {"enum": sorted(REFUSED_KWARGS)}}

@@ -1,6 +1,7 @@
 """The live page of the fleet: ``GET /ui`` (static HTML, JS and CSS from
 ``api/static/``, no build step, no CDN), the data it polls (``GET /ui/state``) and
-``POST /v1/explain`` (one prompt, block by block).
+``POST /v1/explain`` (one prompt, block by block). The routes are declared in
+``api/routes/ui.py`` and ``api/routes/query.py``; this module holds what they read.
 
 What the page costs the service:
 
@@ -25,14 +26,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from pathlib import Path
-from typing import Annotated, Any
-
-from fastapi import FastAPI, Query
-from fastapi.responses import Response
-
-from api import schemas
-from api.common import ENC, JSON, HTTPError
-from indexer.query.explain import explain
+from typing import Any
 
 STATIC = Path(__file__).with_name("static")
 # The page's files: path -> (file, content type). Static, holding no data: served
@@ -212,7 +206,7 @@ def state(svc: Any, decisions_model: str | None = None) -> dict[str, Any]:
     return {
         "now": now,
         "poll_s": SAMPLE_S,
-        "ingest": {"running": bool(svc.ingest.running), "error": getattr(svc.ingest, "error", None)},
+        "ingest": {"running": bool(svc.ingest.running), "error": svc.ingest.error},
         "totals": {k: st[k] for k in ("nodes", "resident_entries", "orphans", "workers", "stale_workers")},
         "max_orphans": svc.settings.max_orphans,
         "in_flight": st["in_flight"],
@@ -222,70 +216,7 @@ def state(svc: Any, decisions_model: str | None = None) -> dict[str, Any]:
         "series": sampler.series(svc.metrics.query_seconds.bounds),
         "decisions": decisions,
         "decisions_kept": len(svc.decisions.ring),
-        "discovery": svc.discovery.status() if svc.discovery is not None else None,
-        "auth_reads": bool(svc.auth is not None and svc.auth.auth_reads),
+        "discovery": svc.discovery.status(),
+        "auth_reads": svc.auth.auth_reads,
     }
 
-
-def add_routes(app: FastAPI, svc: Any, json_route: Any) -> None:
-    """Mount the page, its data and ``POST /v1/explain`` on ``app``."""
-    svc.ui_sampler = Sampler()
-    files = {path: ((STATIC / name).read_bytes(), ctype) for path, (name, ctype) in ASSETS.items()}
-
-    def page(path: str):
-        body, ctype = files[path]
-
-        async def serve() -> Response:
-            # no-cache: a new version of the service serves its own page at once.
-            return Response(body, media_type=ctype, headers={"Cache-Control": "no-cache"})
-
-        return serve
-
-    for path in ASSETS:
-        app.add_api_route(path, page(path), methods=["GET"], include_in_schema=path == "/ui", tags=["ui"],
-                          summary="The live page of the fleet (HTML; no token needed for the page itself, its "
-                          "data needs it when reads do)" if path == "/ui" else "", response_class=Response)
-
-    @app.get("/ui/state", tags=["ui"], summary="What the live page shows: workers, models, over-time samples and "
-             "recent routing decisions (counters only: no tree is walked)")
-    async def ui_state(decisions_model: Annotated[str | None, Query(max_length=256)] = None) -> Response:
-        return Response(ENC.encode(state(svc, decisions_model)), media_type=JSON)
-
-    async def explain_prompt(q: schemas.MatchRequest):
-        if getattr(q, "token_ids", None) is None:  # a text prompt (issue 18): the model's tokenizer
-            text = getattr(svc, "text", None)
-            if text is None:
-                raise HTTPError(422, "token_ids are required: this service tokenizes no text")
-            q = await text.resolve(q)
-        tokens: Any = q.token_ids  # a list, or their uint32 bytes (the fast decode)
-        svc.check_tokens(tokens)
-        return 200, explain(svc.index, tokens, model=q.model, lora_name=q.lora_name, cache_salt=q.cache_salt)
-
-    json_route("/v1/explain", schemas.MatchRequest, explain_prompt, ok=None,
-               summary="One prompt block by block: per worker, the tiers holding each block, the tier it would be "
-               "loaded from, where the match ends and why (missing block, CPU chunk boundary, stale)")
-
-
-def demo_router(index: Any) -> Any:
-    """The demo fleet's router: the index's route with the simulator's queued prefill as
-    load (``IndexRouter``'s ``"load"`` mode), each decision recorded for the page and
-    timed as route ``demo`` in ``kvi_query_duration_seconds`` once ``svc`` is set (the
-    fleet starts before the app exists)."""
-    from indexer.producer.routers import IndexRouter  # the producer side: the demo only
-    from indexer.query.route import Load
-
-    class DemoRouter(IndexRouter):
-        svc: Any = None
-
-        def choose(self, tokens: list[int], workers: list[str], loads: dict[str, Load]) -> str:
-            t0 = time.perf_counter()
-            out = self.index.route(tokens, model=self.model, load={w: Load(ld[0], 0) for w, ld in loads.items()},
-                                   candidates=workers, prefill_load_scale=self.scale)
-            svc = self.svc
-            if svc is not None:
-                svc.metrics.observe("demo", time.perf_counter() - t0, out["ranked"][0]["cached_blocks"])
-                svc.decisions.add(t0, len(tokens), out)
-            worker: str = out["worker"]
-            return worker
-
-    return DemoRouter(index)

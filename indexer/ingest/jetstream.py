@@ -173,6 +173,10 @@ class JetStreamIngest(Background, Queries):
 
     # ------------------------------------------------------- what Service uses
 
+    def snapshot(self, meta: dict[str, Any] | None = None) -> None:
+        """None: a replica's snapshots are written to the object store, not handed out."""
+        return None
+
     def engines(self) -> list[EngineConfig]:
         return []  # the relay's; a replica knows workers (from the log), not endpoints
 

@@ -149,6 +149,9 @@ class Indexer(ZmqTransport, Background, Queries):
 
     # What each worker's Stream calls (a relay's publishes instead of applying).
     _sink_class: type[_Sink] = _Sink
+    # Ingest's counters: none of its own (the index's are in stats()), never written. A class
+    # attribute, not set in __init__: the relay sets its own before calling __init__.
+    counters: dict[str, int] = {}
 
     def __init__(
         self,

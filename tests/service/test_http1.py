@@ -312,7 +312,7 @@ def test_R_BAD_1_framing_and_connection_headers_go_to_the_parser(open_server):
 
 def _handled(svc, route, body: bytes):
     """The route's handler's (status, body) for ``body``, driven as the protocol drives it."""
-    coro = svc.serve_body(route, body)
+    coro = svc.endpoints.serve_body(route, body)
     try:
         coro.send(None)
     except StopIteration as done:
@@ -335,8 +335,8 @@ def test_R_Q_2_dynamo_query_plain_door_answers_as_the_handler_or_declines():
     apply(idx, [Stored(block_hashes=[1, 2], parent_block_hash=None, token_ids=t[:32], block_size=16,
                        medium="GPU", group_idx=0)], engine="8", model="other")
     app = create_app(index=idx)
-    svc = app.service  # type: ignore[attr-defined]
-    route = svc.routes["/query"]
+    svc = app.state.service
+    route = svc.endpoints.routes["/query"]
 
     def handler(b: bytes):
         return _handled(svc, route, b)
@@ -379,8 +379,8 @@ def test_R_Q_2_match_plain_door_answers_as_the_handler_or_declines():
     apply(idx, [store(t, 16, 0, 30)], engine="a")
     apply(idx, [store(t, 16, 0, 9)], engine="b", dp_rank=2)
     app = create_app(index=idx)
-    svc = app.service  # type: ignore[attr-defined]
-    route = svc.routes["/v1/match"]
+    svc = app.state.service
+    route = svc.endpoints.routes["/v1/match"]
 
     def handler(b: bytes):
         return _handled(svc, route, b)
@@ -408,3 +408,15 @@ def test_R_Q_2_match_plain_door_answers_as_the_handler_or_declines():
         got = handler(b)
         assert got[0] == status and says in got[1], (doc, got)
     assert route.plain(route, json.dumps({"token_ids": t, "model": "other"}).encode()) is not None
+
+
+def test_a_uvicorn_without_the_driven_internals_is_refused_at_import(monkeypatch):
+    """api/http1.py drives uvicorn's protocol internals: one missing is an ImportError naming it."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from api import http1
+
+    http1._check_uvicorn()  # the installed uvicorn has all of it
+    monkeypatch.delattr(HttpToolsProtocol, "_start_asgi_task")
+    with pytest.raises(ImportError, match=r"lacks HttpToolsProtocol\._start_asgi_task"):
+        http1._check_uvicorn()

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 import golden
-from api.cli import build_parser, demo_requests
-from api.decode_tool import decode
+from api.cli import build_parser
+from api.cli.tools import decode
+from api.demo import demo_requests
 from indexer.producer.offline import demo
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -508,7 +508,7 @@ BODIES = [
 @pytest.mark.parametrize("rtype", ["MatchRequest", "RouteRequest", "DynQuery"])
 def test_request_decoder_c_path_equals_typed_decode(body, rtype) -> None:
     from api import schemas
-    from api.app import _decode, _Route
+    from api.jsonroutes import JsonRoute as _Route, decode as _decode
 
     async def handler(q):  # pragma: no cover - never called
         return 200, {}
