@@ -204,7 +204,7 @@ def load_stride(n: int) -> int:
     return s
 
 
-# tests/test_snapshot_core.py holds both twins to the same bytes and nodes.
+# The snapshot tests hold both twins to the same bytes and nodes.
 dump_tree = getattr(_core, "dump_tree", None) or py_dump_tree
 dump_map = getattr(_core, "dump_map", None) or py_dump_map
 node_index = getattr(_core, "node_index", None) or py_node_index

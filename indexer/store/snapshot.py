@@ -71,8 +71,8 @@ FORMAT_VERSION = 1
 _HEAD = struct.Struct(">8sIIQQ")  # magic, version, flags, body length, body xxh64
 HEADER_SIZE = _HEAD.size
 
-# The pure twins of the column loops, by the names tests/test_snapshot_core.py holds
-# the compiled ones to.
+# The pure twins of the column loops, by the names the snapshot tests and the compiled
+# core's docstrings hold the compiled ones to.
 _py_dump_tree = columns.py_dump_tree
 _py_dump_map = columns.py_dump_map
 _py_node_index = columns.py_node_index
