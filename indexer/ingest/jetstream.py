@@ -171,6 +171,10 @@ class JetStreamIngest(BucketSnapshots, Background, Queries):
 
     # ------------------------------------------------------- what Service uses
 
+    def snapshot(self, meta: dict[str, Any] | None = None) -> None:
+        """None: a replica's snapshots are written to the object store, not handed out."""
+        return None
+
     def engines(self) -> list[EngineConfig]:
         return []  # the relay's; a replica knows workers (from the log), not endpoints
 
@@ -194,11 +198,6 @@ class JetStreamIngest(BucketSnapshots, Background, Queries):
                      health="stale" if w["stale"] else "ok" if up else "disconnected")
             out.append(w)
         return out
-
-    def snapshot(self, meta: dict[str, Any] | None = None) -> None:
-        """None: a replica's snapshots go to the object store (:mod:`.replica_snapshots`),
-        not to its caller."""
-        return None
 
     # ------------------------------------------------------------- the rule
 

@@ -191,13 +191,13 @@ class Indexer(ZmqTransport, Background, Queries):
         self.link: dict[tuple[str, int], tuple[bool, bool]] = {}
         self._sink = self._sink_class(self)
         self.error: str | None = None  # set if the ingest thread died (see ``running``)
-        self.counters: dict[str, int] = {}
         self.endpoint_policy = endpoint_policy
         # Engines' own load (vLLM /metrics), for those configured with a metrics_url.
         self.scraper = MetricsScraper(self._engine_load, interval_s=metrics_interval_s, clock=self.index._clock)
         # Engine registrations and removals done, by (op, via): "register"/"unregister" x
         # who asked ("config", "api", "dynamo", "discovery", "library").
         self.changes: dict[tuple[str, str], int] = {}
+        self.counters: dict[str, int] = {}  # Ingest's: the ZMQ ingest's counters are the index's
         self.engine_loads: dict[tuple[str, int], EngineLoad] = {}  # the last report per worker
         if snapshot is not None:
             snapshot.restore(self.index)
