@@ -15,7 +15,8 @@ A replica (:class:`JetStreamIngest`) reads the stream in order from a stream seq
 and applies each message to its :class:`PrefixIndex` by a rule that reads only the
 message and the index (:meth:`JetStreamIngest.apply_record`), so every replica that
 applied the same stream prefix holds the same index (R-DUR-10). Snapshots go to the
-stream's object store; the stream is purged behind them (R-DUR-12). ``docs/jetstream.md``
+stream's object store; the stream is purged behind them (R-DUR-12,
+:mod:`.replica_snapshots`). ``docs/jetstream.md``
 has the whole story.
 """
 
@@ -23,10 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import threading
 import time
-from collections.abc import Awaitable
 from typing import Any
 
 import nats
@@ -51,15 +50,14 @@ from indexer.ingest.eventlog import (
     H_STALE,
     KEEP_BEHIND,
     REPLICA_REFUSES,
-    SNAPSHOT_OBJECT,
     ack_fields,
     connect,
     ensure_stream,
     object_store,
 )
+from indexer.ingest.replica_snapshots import BucketSnapshots
 from indexer.query.index import PrefixIndex
 from indexer.sequence.sequencer import GAP, RESTART, classify, peek_ts
-from indexer.store.snapshot import SnapshotError, dumps, loads
 from indexer.wire.engines import EngineConfig
 
 __all__ = ["JetStreamIngest"]
@@ -76,7 +74,7 @@ REPLICA_COUNTERS = ("messages", "applied", "duplicates", "gaps", "restarts", "re
                     "reloads", "stream_lost", "consumers")
 
 
-class JetStreamIngest(Background, Queries):
+class JetStreamIngest(BucketSnapshots, Background, Queries):
     """A :class:`PrefixIndex` fed from the relay's JetStream event log (a replica).
 
     It offers what the service uses of :class:`~.ingest.Indexer` (``start``, ``astop``,
@@ -418,124 +416,3 @@ class JetStreamIngest(Background, Queries):
         log.warning("%s: stream seqs %d..%d are gone and no snapshot covers them", self.name, self.seq + 1, first - 1)
         self.counters["stream_lost"] += first - 1 - self.seq
         self.seq = first - 1
-
-    # ------------------------------------------------------------ snapshots
-
-    async def _load_snapshot(self, only_newer: bool = False) -> bool:
-        """Restore the bucket's snapshot into the index (emptied first when it is newer
-        than what the index holds). False when there is none, it is refused (corrupt:
-        logged and counted) or not newer."""
-        assert self._obs is not None
-        res = None
-        for _ in range(3):
-            try:
-                info = await self._obs.get_info(SNAPSHOT_OBJECT)
-                if info.digest is not None and info.digest == self._bad_digest:
-                    return False  # the one refused already: counted once
-                # A get waits for every chunk: one replaced meanwhile (its chunks purged by
-                # the new put) never completes. Bounded, then read again.
-                res = await asyncio.wait_for(self._obs.get(SNAPSHOT_OBJECT), 10.0 + (info.size or 0) / 20e6)
-                break
-            except nats.js.errors.ObjectNotFoundError:
-                return False
-            except asyncio.TimeoutError:
-                log.warning("%s: reading snapshot %s/%s timed out; again", self.name, self.bucket, SNAPSHOT_OBJECT)
-            except nats.js.errors.Error as e:  # a chunk missing, a digest mismatch: as corrupt
-                return self._refuse("object", repr(e))
-        if res is None:
-            self.counters["snapshot_errors"] += 1
-            return False
-        self._bad_digest = res.info.digest
-        data = res.data or b""
-        try:
-            snap = loads(data)
-            n = snap.meta.get("nats_seq")
-            if not isinstance(n, int) or n < 0:
-                raise SnapshotError("meta", f"no nats_seq in its meta ({snap.meta!r})")
-        except SnapshotError as e:
-            return self._refuse(e.reason, str(e))
-        if only_newer and n <= self.seq:
-            return False
-        ix = self.index
-        try:
-            snap.restore(ix, replace=True)  # a reload replaces what the index holds
-        except SnapshotError as e:
-            return self._refuse(e.reason, str(e))
-        self._bad_digest = None
-        self.seq = self.snapshot_seq = n
-        self.link = {(w["engine"], w["dp_rank"]): (True, True) for w in ix.workers()}
-        self.counters["snapshots_loaded"] += 1
-        log.info("%s: snapshot loaded (stream seq %d, %d bytes)", self.name, n, len(data))
-        return True
-
-    def _refuse(self, reason: str, detail: str) -> bool:
-        self.counters["snapshots_refused"] += 1
-        self.refused[reason] = self.refused.get(reason, 0) + 1
-        log.error("%s: snapshot %s/%s refused: %s; following the stream from its start",
-                  self.name, self.bucket, SNAPSHOT_OBJECT, detail)
-        return False
-
-    def _maybe_snapshot(self) -> None:
-        """Between two applied messages: the snapshot covers exactly stream seq ``seq``."""
-        if self.snapshot_interval_s <= 0 or time.monotonic() - self._snap_t < self.snapshot_interval_s:
-            return
-        if self._snap_task is not None and not self._snap_task.done():
-            return
-        self._snap_t = time.monotonic()
-        data = self._dump()
-        if data is not None:
-            self._snap_task = asyncio.get_running_loop().create_task(self._store(data, self.seq))
-
-    def _dump(self) -> bytes | None:
-        try:
-            return dumps(self.index, meta={"nats_seq": self.seq, "stream": self.stream})
-        except Exception as e:  # a snapshot that fails costs the snapshot, never the replica
-            self.counters["snapshot_errors"] += 1
-            log.exception("%s: snapshot failed: %r", self.name, e)
-            return None
-
-    async def _stored_seq(self) -> int | None:
-        assert self._obs is not None
-        try:
-            info = await self._obs.get_info(SNAPSHOT_OBJECT)
-        except nats.js.errors.ObjectNotFoundError:
-            return None
-        m = re.search(r"nats_seq=(\d+)", info.description or "")
-        return int(m.group(1)) if m else None
-
-    async def _store(self, data: bytes, n: int) -> None:
-        """Put the snapshot of stream seq ``n`` (unless the stored one is as new), then
-        purge the stream below ``n + 1 - keep_behind`` (R-DUR-12)."""
-        assert self._obs is not None
-        try:
-            stored = await self._stored_seq()
-            if stored is not None and stored >= n:
-                return
-            meta = api.ObjectMeta(name=SNAPSHOT_OBJECT, description=f"kv-prefix-indexer snapshot nats_seq={n}")
-            await self._obs.put(SNAPSHOT_OBJECT, data, meta=meta)
-            self.counters["snapshots_written"] += 1
-            self.snapshot_seq = n
-            # Another replica may have put an older one over it meanwhile: purge only
-            # behind the snapshot that is there now.
-            if await self._stored_seq() == n and n + 1 - self.keep_behind > 1:
-                assert self._js is not None
-                await self._js.purge_stream(self.stream, seq=n + 1 - self.keep_behind)
-                self.counters["purges"] += 1
-        except (nats.errors.Error, asyncio.TimeoutError, OSError) as e:
-            self.counters["snapshot_errors"] += 1
-            log.warning("%s: snapshot of stream seq %d not stored: %r", self.name, n, e)
-
-    async def _final_snapshot(self) -> None:
-        if self._snap_task is not None:
-            await _quietly(self._snap_task, 5.0)
-        if self.snapshot_interval_s > 0 and self._obs is not None and self.seq > (self.snapshot_seq or 0):
-            data = self._dump()
-            if data is not None:
-                await _quietly(self._store(data, self.seq), 5.0)
-
-
-async def _quietly(aw: Awaitable[None], timeout: float) -> None:
-    try:
-        await asyncio.wait_for(aw, timeout)
-    except (asyncio.TimeoutError, asyncio.CancelledError):
-        pass

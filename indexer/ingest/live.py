@@ -4,8 +4,9 @@
 (:mod:`.transport`: one thread owns every ZMQ socket), one sequencer
 :class:`~.sequencer.Stream` per worker (every seq, gap, restart, replay and
 continuity decision, R-STR-1..7), and the :class:`PrefixIndex` (decode and store).
-``_Sub`` is a worker's subscription (its sockets, and its Stream state); ``_Sink``
-is what its Stream calls: the index and the replay socket.
+:class:`WorkerStream` is a worker's subscription (its sockets, and its Stream state);
+:class:`IndexSink` is what its Stream calls: the index and the replay socket (a relay's
+sink, :mod:`.relay`, publishes instead).
 
 Threads. Batches are applied on the ingest thread under the index lock, one at a
 time. Queries run on the caller's thread and take the same lock, so they never see
@@ -34,18 +35,19 @@ from indexer.transport.engine_metrics import EngineLoad, MetricsScraper
 from indexer.transport.sockets import Sub, ZmqTransport
 from indexer.wire.engines import EndpointPolicy, EngineConfig, as_config, offset_endpoint
 
-__all__ = ["EngineConfig", "Indexer"]
+__all__ = ["EngineConfig", "Indexer", "IndexSink", "WorkerStream"]
 
 log = logging.getLogger("indexer.ingest.live")
 
-class _Sub(Stream):
+class WorkerStream(Stream):
     """One worker's subscription: its sockets and its :class:`Stream` (sequencing)."""
 
     __slots__ = ("engine", "rank", "model", "endpoint", "replay_endpoint", "topic", "sock", "mon", "dealer",
                  "connected", "messages", "connects")
 
-    def __init__(self, cfg: EngineConfig, rank: int, sink: _Sink, ingest: Indexer) -> None:
-        # _Sink's methods take the _Sub that calls them (a Stream passes itself), not any Stream.
+    def __init__(self, cfg: EngineConfig, rank: int, sink: IndexSink, ingest: Indexer) -> None:
+        # IndexSink's methods take the WorkerStream that calls them (a Stream passes
+        # itself), not any Stream.
         super().__init__(sink, max_buffered=ingest.max_buffered,  # type: ignore[arg-type]
                          replay_timeout_s=ingest.replay_timeout_s)
         self.engine = cfg.id
@@ -63,7 +65,7 @@ class _Sub(Stream):
         self.connects = 0  # live-socket connects seen by the monitor (1 = never reconnected)
 
 
-class _Sink:
+class IndexSink:
     """What the sequencer of each worker calls: the index and the replay sockets."""
 
     __slots__ = ("ingest", "index")
@@ -72,17 +74,17 @@ class _Sink:
         self.ingest = ingest
         self.index = ingest.index
 
-    def apply_batch(self, sub: _Sub, seq: int, payload: bytes) -> float | None:
+    def apply_batch(self, sub: WorkerStream, seq: int, payload: bytes) -> float | None:
         index = self.index
         ts = index.apply_sequenced(sub.engine, payload, model=sub.model, dp_rank=sub.rank, seq=seq)
         if index.readers_waiting:
             _yield_gil()
         return ts
 
-    def reset_worker(self, sub: _Sub) -> None:
+    def reset_worker(self, sub: WorkerStream) -> None:
         self.index.reset_worker(sub.engine, sub.rank)
 
-    def request_replay(self, sub: _Sub, start: int) -> str | None:
+    def request_replay(self, sub: WorkerStream, start: int) -> str | None:
         if sub.dealer is None:
             if sub.replay_endpoint is None:
                 return f"batches from {start} lost and no replay endpoint"
@@ -91,19 +93,19 @@ class _Sink:
         self.ingest._replay_on(sub)
         return None
 
-    def cancel_replay(self, sub: _Sub) -> None:
+    def cancel_replay(self, sub: WorkerStream) -> None:
         # A new DEALER, so late answers to this replay cannot reach the next one.
         self.ingest._reopen_dealer(sub)
         self.ingest._replay_off(sub)
 
-    def mark_stale(self, sub: _Sub, reason: str) -> None:
+    def mark_stale(self, sub: WorkerStream, reason: str) -> None:
         self.index.mark_stale(sub.engine, sub.rank, reason)
         log.warning("worker %s/%d stale: %s", sub.engine, sub.rank, reason)
 
-    def mark_fresh(self, sub: _Sub) -> None:
+    def mark_fresh(self, sub: WorkerStream) -> None:
         self.index.clear_stale(sub.engine, sub.rank)
 
-    def count(self, sub: _Sub, name: str) -> None:
+    def count(self, sub: WorkerStream, name: str) -> None:
         self.index.count(name)
 
 
@@ -148,10 +150,7 @@ class Indexer(ZmqTransport, Background, Queries):
     """
 
     # What each worker's Stream calls (a relay's publishes instead of applying).
-    _sink_class: type[_Sink] = _Sink
-    # Ingest's counters: none of its own (the index's are in stats()), never written. A class
-    # attribute, not set in __init__: the relay sets its own before calling __init__.
-    counters: dict[str, int] = {}
+    _sink_class: type[IndexSink] = IndexSink
 
     def __init__(
         self,
@@ -182,7 +181,7 @@ class Indexer(ZmqTransport, Background, Queries):
             context.set(zmq.MAX_SOCKETS, 4 * self.max_workers + 64)
         self._ctx = context
         self._engines: dict[tuple[str, int], EngineConfig] = {}  # (id, dp_rank_start)
-        self._subs: dict[tuple[str, int], _Sub] = {}
+        self._subs: dict[tuple[str, int], WorkerStream] = {}
         self._cmds: queue.Queue[tuple[str, Any, threading.Event, list[Any]]] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._running = threading.Event()
@@ -198,6 +197,7 @@ class Indexer(ZmqTransport, Background, Queries):
         # Engine registrations and removals done, by (op, via): "register"/"unregister" x
         # who asked ("config", "api", "dynamo", "discovery", "library").
         self.changes: dict[tuple[str, str], int] = {}
+        self.counters: dict[str, int] = {}  # Ingest's: the ZMQ ingest's counters are the index's
         self.engine_loads: dict[tuple[str, int], EngineLoad] = {}  # the last report per worker
         if snapshot is not None:
             snapshot.restore(self.index)
@@ -387,7 +387,7 @@ class Indexer(ZmqTransport, Background, Queries):
         if cfg.metrics_url is not None:
             self.scraper.set_target(cfg.id, cfg.metrics_url, cfg.ranks)
         for r in cfg.ranks:
-            sub = _Sub(cfg, r, self._sink, self)
+            sub = WorkerStream(cfg, r, self._sink, self)
             self._subs[(cfg.id, r)] = sub
             self.link[(cfg.id, r)] = (False, False)
             self.index.register_worker(cfg.id, r, model=cfg.model)
@@ -422,7 +422,7 @@ class Indexer(ZmqTransport, Background, Queries):
                 sub.resync()
 
 
-def _health(w: dict[str, Any], sub: _Sub | None) -> str:
+def _health(w: dict[str, Any], sub: WorkerStream | None) -> str:
     """One word for a worker: stale, replaying, never_connected, disconnected or ok."""
     if w["stale"]:
         return "stale"

@@ -28,7 +28,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from indexer.ingest.eventlog import DEFAULT_STREAM, DEFAULT_SUBJECT, DUPLICATE_WINDOW_S, connect, ensure_stream, headers
-from indexer.ingest.live import Indexer, _Sink, _Sub
+from indexer.ingest.live import Indexer, IndexSink, WorkerStream
 from indexer.sequence.sequencer import peek_ts
 from indexer.wire.engines import EngineConfig
 
@@ -56,18 +56,18 @@ class _Lane:
         self.dropped = 0
 
 
-class _RelaySink(_Sink):
+class _RelaySink(IndexSink):
     """The sequencer's sink of a relay: applied batches go to the stream."""
 
     __slots__ = ()
 
-    def apply_batch(self, sub: _Sub, seq: int, payload: bytes) -> float | None:
+    def apply_batch(self, sub: WorkerStream, seq: int, payload: bytes) -> float | None:
         relay = self.ingest
         assert isinstance(relay, Relay)
         relay._enqueue(sub, seq, payload)
         return peek_ts(payload)
 
-    def reset_worker(self, sub: _Sub) -> None:
+    def reset_worker(self, sub: WorkerStream) -> None:
         relay = self.ingest
         assert isinstance(relay, Relay)
         if sub.anchor_ts is not None:  # which incarnation the next batch replaces
@@ -76,14 +76,14 @@ class _RelaySink(_Sink):
         log.info("worker %s/%d: engine restart; the next batch carries the reset", sub.engine, sub.rank)
         super().reset_worker(sub)
 
-    def mark_stale(self, sub: _Sub, reason: str) -> None:
+    def mark_stale(self, sub: WorkerStream, reason: str) -> None:
         relay = self.ingest
         assert isinstance(relay, Relay)
         relay._stale[(sub.engine, sub.rank)] = reason
         relay.counters["stale"] += 1
         super().mark_stale(sub, reason)  # logs it
 
-    def mark_fresh(self, sub: _Sub) -> None:
+    def mark_fresh(self, sub: WorkerStream) -> None:
         relay = self.ingest
         assert isinstance(relay, Relay)
         if relay._stale.pop((sub.engine, sub.rank), None) is not None:
@@ -125,7 +125,6 @@ class Relay(Indexer):
         self.max_pending = int(max_pending)
         self.publish_timeout_s = float(publish_timeout_s)
         self.name = name
-        self.counters: dict[str, int] = dict.fromkeys(RELAY_COUNTERS, 0)
         self.nats_connected = False
         self._lanes: dict[tuple[str, int], _Lane] = {}
         # Workers whose next batch carries Kvi-Restart: the ts of the last batch before the reset.
@@ -140,6 +139,8 @@ class Relay(Indexer):
         self._up: asyncio.Event | None = None
         self._done = asyncio.Event()  # made again on the loop's thread
         super().__init__(engines, **indexer_options)
+        # After Indexer's (which has none of its own): no batch reaches the sink before start().
+        self.counters = dict.fromkeys(RELAY_COUNTERS, 0)
 
     # ------------------------------------------------------------- lifecycle
 
@@ -227,7 +228,7 @@ class Relay(Indexer):
 
     # ------------------------------------------------------------- the lanes
 
-    def _enqueue(self, sub: _Sub, seq: int, payload: bytes) -> None:
+    def _enqueue(self, sub: WorkerStream, seq: int, payload: bytes) -> None:
         """On the ingest thread: queue one applied batch on its worker's lane."""
         key = (sub.engine, sub.rank)
         restart = self._restart_next.get(key)

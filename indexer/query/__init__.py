@@ -1,6 +1,7 @@
 """Layer 5, query: reads of the store and the answers built from them.
 
-``match`` (``Query``: longest prefixes per tier and group), ``answers`` (answer types
+``match`` (``Query``: the lock, the block keys, predictions and routes),
+``prefixes`` (one model's longest prefixes per tier and group), ``answers`` (answer types
 and ranking), ``route`` (best replica under load), ``explain`` (one prompt block by
 block) and ``index`` (``PrefixIndex``: the store and the queries as one object).
 """

@@ -4,7 +4,7 @@ engine would load it from, and where (and why) each worker's match ends.
 A query (layer 5), like :meth:`PrefixIndex.match`: it takes the index lock once, walks
 the tree of the model's headline group along the prompt's block keys (one walk, for
 this prompt only) and reads residency off the nodes it passed. The totals are the
-ones :meth:`PrefixIndex.match` answers (the same ``_match`` under the same lock), so
+ones :meth:`PrefixIndex.match` answers (the same ``match_model`` under the same lock), so
 the grid never disagrees with ``/v1/match``; what this adds is the per-block detail
 and the reason each match stops. Nothing periodic calls it (``api/ui.py`` serves it on
 demand, for one prompt).
@@ -29,12 +29,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from indexer.query.prefixes import tier_chunks
 from indexer.store.state import GPU
 from indexer.store.tree import walk
 from indexer.wire.keys import KEY_SEED, block_keys, query_extra_keys, seeds_for_blocks, tokens_to_bytes
 
 if TYPE_CHECKING:
     from indexer.query.match import Query
+    from indexer.store.state import WorkerState
 
 __all__ = ["explain", "MAX_EXPLAIN_BLOCKS"]
 
@@ -72,15 +74,15 @@ def explain(index: Query, token_ids: Sequence[int] | bytes, *, model: str | None
     def keys_for(bs: int) -> Iterator[list[int]]:
         yield keys_at(bs)
 
-    ix: Any = index  # the state's private rooms, read under its lock like Query's own methods
-    with ix._lock:
-        m = ix._model(model)
-        res = ix._match(m, keys_for, ntok)
+    with index.lock:
+        m = index.model_state(model)
+        res = index.match_model(m, keys_for, ntok)
         head_total = {(w.engine, w.dp_rank): w.total_blocks for w in res.workers}
         workers = sorted(m.workers.values(), key=lambda w: (w.engine, w.dp_rank))
-        base = {"model": m.name, "tiers": list(ix._tier_names)}
+        names = index.tier_names
+        base = {"model": m.name, "tiers": list(names)}
         if not m.trees:
-            qb = ntok // ix.default_block_size
+            qb = ntok // index.default_block_size
             return {**base, "group": None, "block_size": None, "query_blocks": qb, "shown_blocks": 0,
                     "workers": [_row(w, [], [], 0, 0, 0, 0, "missing_block" if qb else "end_of_prompt")
                                 for w in workers]}
@@ -91,10 +93,10 @@ def explain(index: Query, token_ids: Sequence[int] | bytes, *, model: str | None
         nq = len(keys)
         _, _, _, path = walk(tree.root, [keys], True)
         path = path or []
-        other = ix._other_tiers(m, group, path) if m.tiered else {}
-        pred = ix.inflight.predicted(m.name, iter([keys]), ix._clock()) if m.name in ix.inflight.tries else {}
-        names = ix._tier_names
-        chain = [ix._tier_ids.get(t) for t in ix.total_chain]
+        other = tier_chunks(m, group, path) if m.tiered else {}
+        inflight = index.inflight
+        pred = inflight.predicted(m.name, iter([keys]), index.now()) if m.name in inflight.tries else {}
+        chain = [index.tier_id(t) for t in index.total_chain]
         shown = min(nq, max_blocks)
         rows = []
         for w in workers:
@@ -139,7 +141,7 @@ def explain(index: Query, token_ids: Sequence[int] | bytes, *, model: str | None
                 "workers": rows}
 
 
-def _row(w: Any, held: list[list[str]], loaded: list[str | None], gpu: int, total: int, head: int,
+def _row(w: WorkerState, held: list[list[str]], loaded: list[str | None], gpu: int, total: int, head: int,
          predicted: int, reason: str) -> dict[str, Any]:
     return {"engine": w.engine, "dp_rank": w.dp_rank, "worker": f"{w.engine}/{w.dp_rank}",
             "held": held, "loaded": loaded, "gpu_blocks": gpu, "total_blocks": total,

@@ -3,13 +3,15 @@
 Contract sections 2-4 and 6 (``docs/contract.md``) in one object, the sum of one
 room per concern over the state they share (:class:`~.state.IndexState`):
 
-* :mod:`.store`: :meth:`PrefixIndex.apply` decodes one batch payload exactly as it
-  came off the wire and applies it (stores, placeholders, orphans) to the trees of
-  the worker's model; :mod:`.removal`: removals, clears, freeing, the node cap;
-* :mod:`.query`: :meth:`PrefixIndex.match` / :meth:`PrefixIndex.match_by_keys`
+* :mod:`indexer.store.apply`: :meth:`PrefixIndex.apply` decodes one batch payload
+  exactly as it came off the wire and applies it to the trees of the worker's model
+  (:mod:`indexer.store.place`: stores, placeholders, orphans);
+  :mod:`indexer.store.removal`: removals, clears, freeing, the node cap;
+* :mod:`.match`: :meth:`PrefixIndex.match` / :meth:`PrefixIndex.match_by_keys`
   answer which worker holds the longest prefix of a prompt, per tier and group,
-  with the engine-style ``total`` and a best-replica score;
-* :mod:`.lifecycle`: workers (drop, reset, stale marks, freshness) and
+  with the engine-style ``total`` and a best-replica score (:mod:`.prefixes`
+  walks the trees);
+* :mod:`indexer.store.lifecycle`: workers (drop, reset, stale marks, freshness) and
   :meth:`PrefixIndex.stats`.
 
 Sequencing is not decided here: :mod:`.sequencer` owns the rule, which

@@ -1,19 +1,19 @@
-"""Applying a batch (contract §4): stores, placeholders and orphans, on top of the
-removals and the worker lifecycle. The only writer of the trees with
-:mod:`.removal`; called under the index lock."""
+"""Applying a batch (contract §4): decoded (or scanned by the compiled core), sequenced,
+and each event handed to what it takes: a store to :mod:`.place` (blocks, placeholders,
+orphans) or, for a sliding-window group, held to the end of its batch (R-APP-12); a
+removal or clear to :mod:`.removal`. With those two the only writer of the trees;
+called under the index lock."""
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from indexer.sequence.sequencer import DUPLICATE, GAP, RESTART, classify
-from indexer.store.lifecycle import Lifecycle
-from indexer.store.state import _WG, GPU, WINDOW_KIND, _Model, _Worker
-from indexer.store.tree import DEAD, Node, Tree, dup_add, insert_gpu, insert_gpu_raw, walk
+from indexer.store.place import Placement
+from indexer.store.state import GPU, WINDOW_KIND, ModelState, WorkerGroup, WorkerState
+from indexer.store.tree import DEAD, Node, Tree, dup_add, insert_gpu_raw, walk
 from indexer.wire.decode import (
     CLEARED,
     REMOVED,
@@ -23,13 +23,11 @@ from indexer.wire.decode import (
     decode_event,
     raw_array_len,
     scan_gpu_batch,
-    token_bytes,
 )
-from indexer.wire.keys import KEY_SEED, block_keys, seeds_for_blocks
+from indexer.wire.keys import KEY_SEED
 
 if TYPE_CHECKING:
-    from indexer.wire.decode import RemovedEvent, StoredEvent
-    from indexer.wire.events import Hash
+    from indexer.wire.decode import StoredEvent
 
 __all__ = ["Store"]
 
@@ -54,7 +52,7 @@ def _mirror(tree: Tree, twin: Node) -> Node:
     return node
 
 
-def _note_window(m: _Model, group: int, ev: StoredEvent) -> None:
+def _note_window(m: ModelState, group: int, ev: StoredEvent) -> None:
     """Remember a sliding-window group's window: its hit rule caps the headline (R-APP-10)."""
     win = ev.kv_cache_spec_sliding_window
     kind = ev.kv_cache_spec_kind
@@ -62,7 +60,7 @@ def _note_window(m: _Model, group: int, ev: StoredEvent) -> None:
         m.windows[group] = win
 
 
-class Store(Lifecycle):
+class Store(Placement):
     """Decode-and-apply of one batch, stores and orphans."""
 
     def _apply(self, engine: str, payload: bytes, model: str, dp_rank: int | None, seq: int | None,
@@ -153,7 +151,7 @@ class Store(Lifecycle):
             self._check_announced(w)
         return "applied", ts
 
-    def _check_announced(self, w: _Worker) -> None:
+    def _check_announced(self, w: WorkerState) -> None:
         """End the prefill of ``w``'s routed requests whose prompts it now holds on GPU."""
         key = (w.engine, w.dp_rank)
         if key not in self.inflight.pending:
@@ -180,39 +178,7 @@ class Store(Lifecycle):
             w.refresh()
         return "dropped", None
 
-    def _tier(self, medium: object, ownership: object, create: bool = True) -> int:
-        """Tier id of an event (contract §1 Tier); -1 once ``max_tiers`` are in use, or,
-        with ``create`` False (a removal: nothing can be resident in a tier never
-        stored to), when the tier is not in use yet."""
-        ck = medium if ownership is None else (medium, ownership)
-        tid = self._tier_cache.get(ck)
-        if tid is not None:
-            return tid
-        if not isinstance(medium, (str, type(None))) or not isinstance(ownership, (str, type(None))):
-            return -1
-        name = (medium or "GPU").upper()
-        if ownership is not None:
-            name = f"{name}:{ownership}"
-        tid = self._tier_ids.get(name)
-        if tid is None:
-            if not create or len(self._tier_names) >= self.max_tiers:
-                return -1
-            tid = len(self._tier_names)
-            self._tier_names.append(name)
-            self._tier_ids[name] = tid
-        if len(self._tier_cache) < 4 * self.max_tiers:
-            self._tier_cache[ck] = tid
-        return tid
-
-    def _group(self, ev: StoredEvent | RemovedEvent) -> int:
-        g = ev.group_idx
-        if g is None:
-            return 0
-        if g < 0 or g >= self.max_groups:
-            return -1
-        return g
-
-    def _on_scanned_store(self, w: _Worker, st: tuple[Any, ...], payload: bytes) -> str:
+    def _on_scanned_store(self, w: WorkerState, st: tuple[Any, ...], payload: bytes) -> str:
         """A plain GPU store read by ``scan_gpu_batch``: :meth:`_on_store` and
         :meth:`_insert` for a known, uncapped tree and a parent the worker maps (or none),
         with no Python object per block; blocks it holds already count as duplicates in
@@ -242,7 +208,7 @@ class Store(Lifecycle):
         if kind is not None and m.kinds.get(group) is None:
             m.set_kind(group, kind)
         if wg is None:
-            wg = w.groups[group] = _WG()
+            wg = w.groups[group] = WorkerGroup()
         n = len(hashes) >> 3
         _, created, new = insert_gpu_raw(wg.map, parent, hashes, tokens, bs, KEY_SEED, w.bit, w.wid << 5)
         tree.nodes += created  # type: ignore[union-attr]  # checked above
@@ -252,7 +218,7 @@ class Store(Lifecycle):
             self._adopt(tree, wg, w, struct.unpack(f"<{n}Q", hashes))  # type: ignore[arg-type]  # checked above
         return outcome
 
-    def _on_store(self, w: _Worker, ev: StoredEvent) -> str:
+    def _on_store(self, w: WorkerState, ev: StoredEvent) -> str:
         loc = ev.locality
         if loc is not None and loc.upper() == "REMOTE":
             return "remote_ignored"  # R-APP-11
@@ -292,7 +258,7 @@ class Store(Lifecycle):
             _note_window(m, group, ev)
         wg = w.groups.get(group)
         if wg is None:
-            wg = w.groups[group] = _WG()
+            wg = w.groups[group] = WorkerGroup()
         ph = ev.parent_block_hash
         parent: Node | None
         if ph is None:
@@ -308,72 +274,7 @@ class Store(Lifecycle):
             self._cap(m, tree)
         return outcome
 
-    def _insert(self, tree: Tree, wg: _WG, w: _Worker, tid: int, parent: Node, ev: StoredEvent) -> str:
-        """Attach the blocks of one rich store under ``parent`` and add residency.
-
-        Known hashes win (R-APP-2): a hash the worker already maps keeps its node,
-        and the event's tokens are only decoded and hashed when a block is new.
-        """
-        hashes = ev.block_hashes
-        wmap = wg.map
-        bit = w.bit
-        keys = None
-        new = 0
-        capped = tree.stamps is not None
-        get = wmap.get
-        if tid == GPU and not capped and get(hashes[0]) is None:
-            # The hot path: a GPU store that starts with a new block (tree.insert_gpu:
-            # the general loop below minus its per-block branches).
-            keys = self._event_keys(ev, tree.block_size, len(hashes))
-            if keys is None:
-                return "bad_tokens"
-            _, created, new = insert_gpu(wmap, parent, hashes, keys, bit, w.wid << 5)
-            tree.nodes += created
-            wg.res[GPU] += new
-            return "applied" if new == len(hashes) else "applied_with_duplicates"
-        for i, h in enumerate(hashes):
-            node = get(h)
-            if node is None or node.parent is DEAD:
-                if keys is None:
-                    keys = self._event_keys(ev, tree.block_size, len(hashes))
-                    if keys is None:
-                        self._rollback(tree, wg, w, tid, hashes, i)
-                        return "bad_tokens"
-                k = keys[i]
-                node = tree.child(parent, k)
-                if node is None:
-                    node = tree.add_child(parent, k)
-                wmap[h] = node
-            if capped:
-                tree.touch(node)
-            if tid == GPU:
-                m = node.gpu
-                if m & bit:
-                    dup_add(node, (w.wid << 5) | tid)
-                else:
-                    node.gpu = m | bit
-                    new += 1
-            else:
-                tiers = node.tiers
-                if tiers is None:
-                    node.tiers = {tid: bit}
-                    new += 1
-                else:
-                    m = tiers.get(tid, 0)
-                    if m & bit:
-                        dup_add(node, (w.wid << 5) | tid)
-                    else:
-                        tiers[tid] = m | bit
-                        new += 1
-            parent = node
-        if tid != GPU:
-            # R-APP-5: the blocks of one event form a chunk; mark its last block.
-            wg.mark_end(parent.tiers, tid, bit, parent, len(hashes))  # type: ignore[arg-type]  # set above
-            self._models[w.model].tiered = True
-        wg.res[tid] += new
-        return "applied" if new == len(hashes) else "applied_with_duplicates"
-
-    def _apply_later(self, w: _Worker) -> None:
+    def _apply_later(self, w: WorkerState) -> None:
         """Apply the window events held to the end of the batch, in their order."""
         items = self._later[:]
         self._later.clear()
@@ -387,7 +288,7 @@ class Store(Lifecycle):
         finally:
             self._first_pass = True
 
-    def _on_window_store(self, w: _Worker, ev: StoredEvent, group: int) -> str:
+    def _on_window_store(self, w: WorkerState, ev: StoredEvent, group: int) -> str:
         """R-APP-12: a sliding-window group's GPU store that leaves out its null blocks.
 
         vLLM lists only the blocks inside the window (``block_hashes``, the tail of the
@@ -424,7 +325,7 @@ class Store(Lifecycle):
                             tree = m.trees[group] = Tree(group, bs, self.max_nodes is not None)
                             m.set_kind(group, ev.kv_cache_spec_kind)
                         if wg is None:
-                            wg = w.groups[group] = _WG()
+                            wg = w.groups[group] = WorkerGroup()
                             wmap = wg.map
                         node = _mirror(tree, twin)
                         break
@@ -449,122 +350,3 @@ class Store(Lifecycle):
         if placed < len(ev.block_hashes):
             return "window_partial"
         return "applied" if new == placed else "applied_with_duplicates"
-
-    def _rollback(self, tree: Tree, wg: _WG, w: _Worker, tid: int, hashes: list[Hash], upto: int) -> None:
-        # Tokens that do not decode or exceed uint32 (R-BAD-3): undo the blocks of
-        # this event already attached through known hashes, so the event is all or
-        # nothing.
-        for h in hashes[:upto]:
-            node = wg.map.get(h)
-            if node is not None:
-                self._remove_one(tree, wg, w, tid, h, node)
-
-    @staticmethod
-    def _event_keys(ev: StoredEvent, block_size: int, n: int) -> list[int] | None:
-        try:
-            buf = token_bytes(ev.token_ids)
-        except (msgspec.DecodeError, OverflowError, TypeError, ValueError):
-            return None
-        lora = ev.lora_name
-        extra = ev.extra_keys
-        seed = KEY_SEED if (not lora and not extra) else seeds_for_blocks(n, lora, extra)
-        return block_keys(buf, block_size, seed)
-
-    def _on_placeholder(self, w: _Worker, ev: StoredEvent, tid: int, group: int) -> str:
-        """R-APP-6: residency on nodes the worker already maps by hash; never a new node."""
-        wg = w.groups.get(group)
-        if wg is None:
-            return "placeholder_ignored"
-        if tid != GPU:
-            self._models[w.model].tiered = True
-        wmap = wg.map
-        bit = w.bit
-        hit = 0
-        new = 0
-        for h in ev.block_hashes:
-            node = wmap.get(h)
-            if node is None or node.parent is DEAD:
-                continue
-            hit += 1
-            if tid == GPU:
-                if node.gpu & bit:
-                    dup_add(node, (w.wid << 5) | tid)
-                else:
-                    node.gpu |= bit
-                    new += 1
-            else:
-                tiers = node.tiers
-                if tiers is None:
-                    tiers = node.tiers = {}
-                m = tiers.get(tid, 0)
-                if m & bit:
-                    dup_add(node, (w.wid << 5) | tid)
-                else:
-                    tiers[tid] = m | bit
-                    new += 1
-                # A placeholder names a chunk by its tail only. Taken as a chunk of
-                # one block it is credited only where the engine would load it too
-                # (the GPU prefix reaches the block before it): never over-credit.
-                if not tiers.get(-tid, 0) & bit:
-                    wg.mark_end(tiers, tid, bit, node, 1)
-        wg.res[tid] += new
-        if hit == 0:
-            return "placeholder_ignored"
-        return "placeholder_attached" if hit == len(ev.block_hashes) else "placeholder_partial"
-
-    # ---------------------------------------------------------------- orphans
-
-    def _orphan(self, wg: _WG, parent_hash: Hash, ev: StoredEvent, tid: int) -> str:
-        """R-APP-3: buffer a store whose parent is unknown, keyed by that parent."""
-        entry = (ev, tid)
-        lst = wg.orphans.get(parent_hash)
-        if lst is None:
-            wg.orphans[parent_hash] = [entry]
-        else:
-            lst.append(entry)
-        self._orphans += 1
-        self._orphan_queue.append((self._clock(), wg, parent_hash, entry))
-        while self._orphans > self.max_orphans:
-            self._drop_oldest_orphan("orphan_overflow")
-        return "orphaned"
-
-    def _adopt(self, tree: Tree, wg: _WG, w: _Worker, hashes: Iterable[Hash]) -> None:
-        """Attach buffered children of the hashes just stored, then theirs (iterative)."""
-        stack = list(hashes)
-        orphans = wg.orphans
-        while stack and orphans:
-            h = stack.pop()
-            lst = orphans.pop(h, None)
-            if not lst:
-                continue
-            parent = wg.map.get(h)
-            for ev, tid in lst:
-                self._orphans -= 1
-                if parent is None or parent.parent is DEAD:
-                    self._count("orphans_dropped_parent_gone")
-                    continue
-                outcome = self._insert(tree, wg, w, tid, parent, ev)
-                self._count("orphans_adopted" if outcome.startswith("applied") else "orphans_dropped_bad")
-                stack.extend(ev.block_hashes)
-
-    def _drop_oldest_orphan(self, reason: str) -> None:
-        _, wg, ph, entry = self._orphan_queue.popleft()
-        lst = wg.orphans.get(ph)
-        if lst is None:
-            return  # adopted or dropped with its worker already
-        for i, e in enumerate(lst):
-            if e is entry:
-                del lst[i]
-                if not lst:
-                    del wg.orphans[ph]
-                self._orphans -= 1
-                self._count(reason)
-                return
-
-    def _expire_orphans(self) -> None:
-        q = self._orphan_queue
-        limit = self._clock() - self.orphan_ttl_s
-        while q and q[0][0] < limit:
-            self._drop_oldest_orphan("orphan_expired")
-        if not self._orphans:
-            q.clear()

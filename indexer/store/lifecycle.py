@@ -4,10 +4,10 @@ counters kept up to date; it never walks a tree."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from indexer.store.removal import Removal
-from indexer.store.state import _EVENT_NAMES, DEFAULT_GROUP_KINDS, MAX_IDLE_MODELS, _Model, _Worker
+from indexer.store.state import _EVENT_NAMES, DEFAULT_GROUP_KINDS, MAX_IDLE_MODELS, ModelState, WorkerState
 
 __all__ = ["Lifecycle"]
 
@@ -15,10 +15,7 @@ __all__ = ["Lifecycle"]
 class Lifecycle(Removal):
     """Worker lifecycle and reports."""
 
-    if TYPE_CHECKING:  # defined by query.Query, the next room of PrefixIndex
-        def _model(self, model: str | None) -> _Model: ...
-
-    def _worker(self, engine: str, rank: int, model: str) -> _Worker:
+    def _worker(self, engine: str, rank: int, model: str) -> WorkerState:
         w = self._workers.get((engine, rank))
         if w is not None:
             if w.model == model:
@@ -32,16 +29,16 @@ class Lifecycle(Removal):
             self._next_wid += 1
         mo = self._models.get(model)
         if mo is None:
-            mo = self._models[model] = _Model(model)
+            mo = self._models[model] = ModelState(model)
         elif not mo.workers:
             self._idle_models.pop(model, None)
-        w = _Worker(wid, engine, rank, model, mo.rows)
+        w = WorkerState(wid, engine, rank, model, mo.rows)
         self._workers[(engine, rank)] = w
         mo.workers[wid] = w
         mo.ranked = False
         return w
 
-    def _remove_worker(self, w: _Worker) -> None:
+    def _remove_worker(self, w: WorkerState) -> None:
         self._drop_worker_tiers(w, None)
         del self._workers[(w.engine, w.dp_rank)]
         mo = self._models[w.model]
@@ -60,7 +57,7 @@ class Lifecycle(Removal):
                 for tree in gone.trees.values():
                     tree.clear()
 
-    def _restart(self, w: _Worker) -> None:
+    def _restart(self, w: WorkerState) -> None:
         self._drop_worker_tiers(w, None)
         w.restarts += 1
         w.last_seq = None
@@ -199,7 +196,7 @@ class Lifecycle(Removal):
 
         Raises KeyError like :meth:`match` when the model is unknown."""
         with self._lock:
-            m = self._model(model)
+            m = self.model_state(model)
             return [(w.engine, w.dp_rank, w.stale) for w in m.workers.values()]
 
     def models(self) -> list[str]:

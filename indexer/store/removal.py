@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from indexer.store.state import _WG, GPU, IndexState, _Model, _Worker
+from indexer.store.state import GPU, IndexState, ModelState, WorkerGroup, WorkerState
 from indexer.store.tree import DEAD, Node, Tree, remove_gpu
 
 if TYPE_CHECKING:
-    from indexer.wire.decode import RemovedEvent, StoredEvent
+    from indexer.wire.decode import RemovedEvent
     from indexer.wire.events import Hash
 
 __all__ = ["Removal"]
@@ -19,11 +19,7 @@ __all__ = ["Removal"]
 class Removal(IndexState):
     """What takes residency away."""
 
-    if TYPE_CHECKING:  # defined by store.Store, the next room of PrefixIndex
-        def _tier(self, medium: object, ownership: object, create: bool = True) -> int: ...
-        def _group(self, ev: StoredEvent | RemovedEvent) -> int: ...
-
-    def _on_remove(self, w: _Worker, ev: RemovedEvent) -> str:
+    def _on_remove(self, w: WorkerState, ev: RemovedEvent) -> str:
         loc = ev.locality
         if loc is not None and loc.upper() == "REMOTE":
             return "remote_ignored"  # R-APP-11
@@ -52,7 +48,7 @@ class Removal(IndexState):
             return "unknown_hash" if unknown == len(ev.block_hashes) else "applied_partial"
         return "applied"
 
-    def _remove_one(self, tree: Tree, wg: _WG, w: _Worker, tid: int, h: Hash, node: Node) -> bool:
+    def _remove_one(self, tree: Tree, wg: WorkerGroup, w: WorkerState, tid: int, h: Hash, node: Node) -> bool:
         """Subtract one announcement of ``h`` in tier ``tid`` (R-APP-4); False if not held."""
         if node.parent is DEAD:
             del wg.map[h]
@@ -108,7 +104,7 @@ class Removal(IndexState):
                     return True
         return False
 
-    def _on_clear(self, w: _Worker) -> str:
+    def _on_clear(self, w: WorkerState) -> str:
         """R-APP-8: drop the worker's GPU and CPU residency; other tiers stay."""
         tids = [GPU]
         cpu = self._tier_ids.get("CPU")
@@ -117,7 +113,7 @@ class Removal(IndexState):
         self._drop_worker_tiers(w, tids)
         return "applied"
 
-    def _drop_worker_tiers(self, w: _Worker, tids: Iterable[int] | None) -> None:
+    def _drop_worker_tiers(self, w: WorkerState, tids: Iterable[int] | None) -> None:
         """Remove every residency of ``w`` in ``tids`` (all tiers when None)."""
         m = self._models[w.model]
         bit = w.bit
@@ -142,7 +138,7 @@ class Removal(IndexState):
                 self._orphans -= sum(len(v) for v in wg.orphans.values())
                 wg.orphans.clear()
 
-    def _clear_node(self, node: Node, bit: int, wid: int, only: set[int] | None, wg: _WG) -> None:
+    def _clear_node(self, node: Node, bit: int, wid: int, only: set[int] | None, wg: WorkerGroup) -> None:
         res = wg.res
         if (only is None or GPU in only) and node.gpu & bit:
             node.gpu ^= bit
@@ -168,7 +164,7 @@ class Removal(IndexState):
             if not d:
                 node.dup = None
 
-    def _cap(self, m: _Model, tree: Tree) -> None:
+    def _cap(self, m: ModelState, tree: Tree) -> None:
         """R-APP-9 node cap: evict least recently stored leaves with all their residency."""
         evicted = 0
         while tree.nodes > self.max_nodes:  # type: ignore[operator]  # capped: an int

@@ -29,26 +29,40 @@ anything, and raises :class:`SnapshotError` with a bounded ``reason``.
 
 from __future__ import annotations
 
-import math
 import os
 import struct
-import sys
 import time
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import xxhash
 from msgspec import Struct
 
-from indexer._native import core as _core
-from indexer.store.state import _WG, _Model, _Worker
-from indexer.store.tree import Kids, Node, Tree, link_child
+from indexer.store import columns
+from indexer.store.columns import (
+    U32,
+    U64C,
+    col,
+    dump_map,
+    dump_tree,
+    le,
+    load_map,
+    load_tree,
+    mask_bytes,
+    mask_int,
+    node_index,
+    translate,
+)
+from indexer.store.state import ModelState, RestoredState, WorkerGroup, WorkerState
+from indexer.store.tree import Node, Tree
 from indexer.wire.decode import decode_stored, encode_stored
 
 if TYPE_CHECKING:
-    from indexer.query.index import PrefixIndex
+    from indexer.store.state import IndexState
+    from indexer.wire.decode import StoredEvent
+    from indexer.wire.events import Hash
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "Snapshot", "SnapshotError", "dumps", "loads", "write_atomic"]
 
@@ -56,29 +70,15 @@ MAGIC = b"KVISNAP\0"
 FORMAT_VERSION = 1
 _HEAD = struct.Struct(">8sIIQQ")  # magic, version, flags, body length, body xxh64
 HEADER_SIZE = _HEAD.size
-_U64 = (1 << 64) - 1
 
-# array typecodes of the widths the format fixes (C's unsigned int / long long)
-_U32, _U64C = "I", "Q"
-assert array(_U32).itemsize == 4 and array(_U64C).itemsize == 8
-_SWAP = sys.byteorder != "little"  # the columns are little-endian on every host
-
-
-def _le(a: array[int]) -> bytes:
-    """An array's bytes, little-endian."""
-    if _SWAP:
-        a = array(a.typecode, a)
-        a.byteswap()
-    return a.tobytes()
-
-
-def _col(code: str, data: bytes) -> array[int]:
-    """A little-endian column as an array (``bytes(data)``: an array reads a memoryview
-    one byte at a time)."""
-    a = array(code, bytes(data))
-    if _SWAP:
-        a.byteswap()
-    return a
+# The pure twins of the column loops, by the names the snapshot tests and the compiled
+# core's docstrings hold the compiled ones to.
+_py_dump_tree = columns.py_dump_tree
+_py_dump_map = columns.py_dump_map
+_py_node_index = columns.py_node_index
+_py_translate = columns.py_translate
+_py_load_tree = columns.py_load_tree
+_py_load_map = columns.py_load_map
 
 
 class SnapshotError(ValueError):
@@ -171,11 +171,11 @@ def _frame(body: bytes) -> bytes:
     return _HEAD.pack(MAGIC, FORMAT_VERSION, 0, len(body), xxhash.xxh64_intdigest(body)) + body
 
 
-def dumps(index: PrefixIndex, *, engines: Iterable[dict[str, Any]] = (), meta: dict[str, Any] | None = None) -> bytes:
+def dumps(index: IndexState, *, engines: Iterable[dict[str, Any]] = (), meta: dict[str, Any] | None = None) -> bytes:
     """The whole index (plus ``engines`` and ``meta``) as snapshot bytes. Holds the
     index lock while it reads the columns (one consistent cut), not while node
     addresses become indices or the body is encoded; changes nothing."""
-    with index._lock:
+    with index.lock:
         cut = _cut(index)
     return _frame(_enc.encode(_assemble(cut, list(engines), dict(meta or {}))))
 
@@ -190,21 +190,12 @@ class Snapshot:
         self.engines = body.engines
         self.created = body.created
 
-    def restore(self, index: PrefixIndex, *, replace: bool = False) -> None:
+    def restore(self, index: IndexState, *, replace: bool = False) -> None:
         """Rebuild the snapshot's state in ``index``, which must hold no worker yet unless
         ``replace`` (then what it holds goes first). Its own settings (credits, caps,
         bounds) stay; node caps apply from here on. A snapshot that cannot be restored
         leaves the index empty (SnapshotError ``corrupt``)."""
-        with index._lock:
-            if replace:
-                index._clear()
-            elif index._workers or index._models:
-                raise ValueError("restore needs an empty index")
-            try:
-                _restore(index, self.body)
-            except (ValueError, IndexError, KeyError, TypeError, OverflowError, msgspec.DecodeError) as e:
-                index._clear()
-                raise SnapshotError("corrupt", f"{type(e).__name__}: {e}") from None
+        index.restore_state(lambda: _build(index, self.body), replace=replace)
 
     def workers(self) -> list[tuple[str, int, str, int | None]]:
         """(engine, dp_rank, model, last_seq) of every worker in the snapshot."""
@@ -256,126 +247,29 @@ def write_atomic(path: str, data: bytes) -> None:
 # ------------------------------------------------------------------ the cut
 
 
-def _mask_bytes(m: int) -> bytes:
-    return m.to_bytes((m.bit_length() + 7) // 8, "little") if m else b""
-
-
-def _mask_int(b: bytes) -> int:
-    return int.from_bytes(b, "little")
-
-
-def _py_dump_tree(root: Node) -> tuple[bytes, bytes, bytes, list[int], list[tuple[int, Node]], bytes]:
-    """Walk one tree in preorder (iterative; node 0 is the root). Returns ``(parents,
-    keys, mask_ids, masks, extra, addrs)``: the uint32/uint64/uint32 columns of every
-    node but the root, the distinct GPU masks (ints) in order of first use, ``(index,
-    node)`` of the nodes with tiers or dups, and the uint64 address (``id()``) of
-    every node, the root first: :func:`_py_node_index` turns them into node indices
-    once the index lock is released. Read-only. ``_core.dump_tree`` is the compiled
-    twin (the same bytes: CPython's ``id()`` is the address)."""
-    addrs = array(_U64C, [id(root)])
-    parents = array(_U32)
-    keys = array(_U64C)
-    mids = array(_U32)
-    mask_ids: dict[int, int] = {}
-    masks: list[int] = []
-    extra: list[tuple[int, Node]] = []
-    stack: list[tuple[Node, int]] = []
-    kids: Any = root.kids
-    if kids is not None:
-        for child in (kids.values() if kids.__class__ is Kids else (kids,)):
-            stack.append((child, 0))
-    i = 0
-    while stack:
-        node, p = stack.pop()
-        i += 1
-        addrs.append(id(node))
-        parents.append(p)
-        keys.append(node.key)
-        m = node.gpu
-        mi = mask_ids.get(m)
-        if mi is None:
-            mi = mask_ids[m] = len(masks)
-            masks.append(m)
-        mids.append(mi)
-        if node.tiers is not None or node.dup is not None:
-            extra.append((i, node))
-        kids = node.kids
-        if kids is not None:
-            if kids.__class__ is Kids:
-                for child in kids.values():
-                    stack.append((child, i))
-            else:
-                stack.append((kids, i))
-    return _le(parents), _le(keys), _le(mids), masks, extra, _le(addrs)
-
-
-def _py_dump_map(wmap: Kids) -> tuple[bytes, bytes, list[tuple[Any, int]]]:
-    """A worker's engine-hash map as ``(uint64 hashes, uint64 node addresses, other)``:
-    ``other`` holds ``(hash, address)`` of the entries whose hash is not an int in
-    [0, 2**64) (bytes digests). Reads the map, not its nodes. ``_core.dump_map`` is
-    the compiled twin."""
-    hashes = array(_U64C)
-    addrs = array(_U64C)
-    other: list[tuple[Any, int]] = []
-    for h, node in wmap.items():
-        if h.__class__ is int and 0 <= h <= _U64:
-            hashes.append(h)
-            addrs.append(id(node))
-        else:
-            other.append((h, id(node)))
-    return _le(hashes), _le(addrs), other
-
-
-def _py_node_index(addrs: bytes) -> dict[int, int]:
-    """Address -> position of :func:`_py_dump_tree`'s addresses (a ValueError when one
-    is there twice: not a tree). ``_core.node_index`` is the compiled twin."""
-    a = _col(_U64C, addrs)
-    where = dict(zip(a, range(len(a))))
-    if len(where) != len(a) or 0 in where:
-        raise ValueError("node_index: an address twice, or 0 (not a tree)")
-    return where
-
-
-def _py_translate(where: Any, hashes: bytes, addrs: bytes) -> tuple[bytes, bytes]:
-    """:func:`_py_dump_map`'s columns with each address replaced by its node's index in
-    ``where``; entries it does not know (nodes the cap freed) are left out.
-    ``_core.translate`` is the compiled twin."""
-    hs, ads = _col(_U64C, hashes), _col(_U64C, addrs)
-    if len(hs) != len(ads):
-        raise ValueError(f"{len(hs)} hashes, {len(ads)} addresses")
-    ho, io = array(_U64C), array(_U32)
-    get = where.get
-    for h, a in zip(hs, ads):
-        i = get(a)
-        if i is not None:
-            ho.append(h)
-            io.append(i)
-    return _le(ho), _le(io)
-
-
 # What the index lock is held for: every column read, node references replaced by
 # their addresses (plain ints). Turning those into node indices (_assemble) needs no
 # node, so it runs after the lock is released: it was most of a dump's time.
 
 
-def _cut(index: PrefixIndex) -> dict[str, Any]:
+def _cut(index: IndexState) -> dict[str, Any]:
     """Read everything a snapshot holds (under the index lock); changes nothing."""
-    now = index._clock()
+    now = index.now()
     models = []
-    for name, mo in index._models.items():
+    for mo, idle in index.model_states():
         trees = []
         for g, tree in mo.trees.items():
             parents, keys, mids, masks, extra, addrs = dump_tree(tree.root)
             extras = [(i,
-                       None if n.tiers is None else [(t, _mask_bytes(v)) for t, v in n.tiers.items()],
+                       None if n.tiers is None else [(t, mask_bytes(v)) for t, v in n.tiers.items()],
                        None if n.dup is None else list(n.dup.items())) for i, n in extra]
             stamps = None if tree.stamps is None else [(id(n), st) for n, st in tree.stamps.items()]
             trees.append((g, tree.block_size, mo.kinds.get(g), parents, keys, mids, masks, extras, addrs, stamps,
                           tree.clock))
-        models.append((name, trees, mo.tiered, name in index._idle_models))
+        models.append((mo.name, trees, mo.tiered, idle))
     workers = []
-    wg_of: dict[int, tuple[int, int]] = {}  # id(_WG) -> (wid, group)
-    for w in index._workers.values():
+    wg_of: dict[int, tuple[int, int]] = {}  # id(WorkerGroup) -> (wid, group)
+    for w in index.worker_states():
         groups = []
         for g, wg in w.groups.items():
             wg_of[id(wg)] = (w.wid, g)
@@ -389,14 +283,15 @@ def _cut(index: PrefixIndex) -> dict[str, Any]:
             None if w.last_apply is None else max(0.0, now - w.last_apply), w.stale, w.stale_reason,
             w.batches, w.restarts, w.gaps, dict(w.dropped), []), groups))
     orphans: list[OrphanSnap] = []
-    for t, wg, ph, entry in index._orphan_queue:
-        lst = wg.orphans.get(ph)
-        if lst is None or not any(e is entry for e in lst) or id(wg) not in wg_of:
-            continue  # adopted or dropped already
-        wid, g = wg_of[id(wg)]
+    for t, wg, ph, entry in index.orphan_entries():
+        owner = wg_of.get(id(wg))
+        if owner is None:
+            continue  # its worker is gone
+        wid, g = owner
         orphans.append(OrphanSnap(wid, g, ph, max(0.0, now - t), encode_stored(entry[0]), entry[1]))
-    return {"models": models, "orphans": orphans, "created": time.time(), "tier_names": list(index._tier_names),
-            "next_wid": index._next_wid, "free_wids": list(index._free_wids), "workers": workers}
+    next_wid, free_wids = index.wids()
+    return {"models": models, "orphans": orphans, "created": time.time(), "tier_names": list(index.tier_names),
+            "next_wid": next_wid, "free_wids": free_wids, "workers": workers}
 
 
 def _assemble(cut: dict[str, Any], engines: list[dict[str, Any]], meta: dict[str, Any]) -> Body:
@@ -410,14 +305,14 @@ def _assemble(cut: dict[str, Any], engines: list[dict[str, Any]], meta: dict[str
             pos = where[(name, g)] = node_index(addrs)
             stamps = None
             if stamps_raw is not None:
-                st = array(_U64C, bytes(2 * len(parents)))  # 8 bytes per node: parents has 4
+                st = array(U64C, bytes(2 * len(parents)))  # 8 bytes per node: parents has 4
                 get = pos.get
                 for a, stamp in stamps_raw:
                     i = get(a)
                     if i:
                         st[i - 1] = stamp
-                stamps = _le(st)
-            trees.append(TreeSnap(g, block_size, kind, parents, keys, mids, [_mask_bytes(m) for m in masks], extras,
+                stamps = le(st)
+            trees.append(TreeSnap(g, block_size, kind, parents, keys, mids, [mask_bytes(m) for m in masks], extras,
                                   stamps, clock))
         models.append(ModelSnap(name, trees, tiered, idle))
     workers: list[WorkerSnap] = []
@@ -436,13 +331,13 @@ def _assemble(cut: dict[str, Any], engines: list[dict[str, Any]], meta: dict[str
                 other = [(h, i) for h, i in ((h, get(a)) for h, a in other_raw) if i is not None]
                 ends = []
                 for tid, end_addrs, blocks in ends_raw:
-                    ni, nb = array(_U32), array(_U32)
+                    ni, nb = array(U32), array(U32)
                     for a, n in zip(end_addrs, blocks):
                         i = get(a)
                         if i is not None:
                             ni.append(i)
                             nb.append(n)
-                    ends.append((tid, _le(ni), _le(nb)))
+                    ends.append((tid, le(ni), le(nb)))
             groups.append(GroupSnap(g, hashes, idx, other, res, ends))
         workers.append(msgspec.structs.replace(ws, groups=groups))
     return Body(created=cut["created"], tier_names=cut["tier_names"], next_wid=cut["next_wid"],
@@ -453,88 +348,41 @@ def _assemble(cut: dict[str, Any], engines: list[dict[str, Any]], meta: dict[str
 # ---------------------------------------------------------------- the restore
 
 
-def _py_load_tree(root: Node, parents: bytes, keys: bytes, mask_ids: bytes, masks: Sequence[int]) -> list[Node]:
-    """Create every node of a dumped tree under ``root`` (preorder: each parent exists
-    before its children). Returns the nodes, the root first."""
-    nodes: list[Node] = [root]
-    append = nodes.append
-    par = _col(_U32, parents)
-    ks = _col(_U64C, keys)
-    mids = _col(_U32, mask_ids)
-    if not len(par) == len(ks) == len(mids):
-        raise ValueError("tree columns of different lengths")
-    n = len(nodes)
-    for p, k, mi in zip(par, ks, mids):
-        if p >= n:
-            raise ValueError(f"node {n} names parent {p}, not created before it")
-        parent = nodes[p]
-        node = Node(k, parent, None, masks[mi])
-        link_child(parent, k, node)
-        append(node)
-        n += 1
-    return nodes
+def _build(index: IndexState, body: Body) -> RestoredState:
+    """The snapshot's state, built for ``index`` (its node cap and tier bound, its clock):
+    every tree, worker and orphan. Raises SnapshotError ``corrupt`` when the body does
+    not make one (the trees made so far freed first)."""
+    trees: list[Tree] = []
+    try:
+        return _make(index, body, trees)
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError, msgspec.DecodeError) as e:
+        for tree in trees:
+            tree.clear()
+        raise SnapshotError("corrupt", f"{type(e).__name__}: {e}") from None
+    except BaseException:
+        for tree in trees:
+            tree.clear()
+        raise
 
 
-def _py_load_map(wmap: Kids, hashes: bytes, idx: bytes, nodes: list[Node]) -> None:
-    """Put ``hashes[i] -> nodes[idx[i]]`` into a worker's map (the columns
-    :func:`_py_dump_map` wrote). ``_core.load_map`` is the compiled twin."""
-    hs, ix = _col(_U64C, hashes), _col(_U32, idx)
-    n = len(hs)
-    if n != len(ix):
-        raise ValueError(f"{n} hashes, {len(ix)} node indices")
-    # Scattered, not in the columns' order: that is the source table's slot order, which
-    # piles inserts into long probe runs in a growing table (see _core.load_map).
-    stride = _load_stride(n)
-    j = 0
-    for _ in range(n):
-        wmap[hs[j]] = nodes[ix[j]]
-        j += stride
-        if j >= n:
-            j -= n
-
-
-def _load_stride(n: int) -> int:
-    """The step of :func:`_py_load_map`'s order: coprime with ``n``, so every entry comes once."""
-    if n <= 2:
-        return 1
-    s = 0x9E3779B97F4A7C15 % n or 1
-    while math.gcd(s, n) != 1:
-        s += 1
-    return s
-
-
-# The compiled twins when the core has them (an older build, or KVI_PURE_PYTHON=1: the
-# pure ones); tests/service/test_snapshot.py holds both to the same bytes and nodes.
-dump_tree = getattr(_core, "dump_tree", None) or _py_dump_tree
-dump_map = getattr(_core, "dump_map", None) or _py_dump_map
-node_index = getattr(_core, "node_index", None) or _py_node_index
-translate = getattr(_core, "translate", None) or _py_translate
-load_tree = getattr(_core, "load_tree", None) or _py_load_tree
-load_map = getattr(_core, "load_map", None) or _py_load_map
-
-
-def _restore(index: PrefixIndex, body: Body) -> None:
-    index._tier_names[:] = body.tier_names
-    index._tier_ids.clear()
-    index._tier_ids.update((n, i) for i, n in enumerate(body.tier_names))
-    index._tier_cache.clear()
-    index._tier_cache[None] = 0
+def _make(index: IndexState, body: Body, made: list[Tree]) -> RestoredState:
     capped = index.max_nodes is not None
     nodes_of: dict[tuple[str, int], list[Node]] = {}
+    models: dict[str, tuple[ModelState, bool]] = {}
     for ms in body.models:
-        mo = index._models[ms.name] = _Model(ms.name)
+        mo = ModelState(ms.name)
+        models[ms.name] = (mo, ms.idle)
         mo.tiered = ms.tiered
-        if ms.idle:
-            index._idle_models[ms.name] = None
         for ts in ms.trees:
             tree = Tree(ts.group, ts.block_size, capped)
-            masks = [_mask_int(b) for b in ts.masks]
+            made.append(tree)
+            masks = [mask_int(b) for b in ts.masks]
             nodes = load_tree(tree.root, ts.parents, ts.keys, ts.mask_ids, masks)
             tree.nodes = len(nodes) - 1
             for i, tiers, dup in ts.extras:
                 node = nodes[i]
                 if tiers is not None:
-                    node.tiers = {t: _mask_int(b) for t, b in tiers}
+                    node.tiers = {t: mask_int(b) for t, b in tiers}
                 if dup is not None:
                     node.dup = dict(dup)
             if capped:
@@ -542,14 +390,15 @@ def _restore(index: PrefixIndex, body: Body) -> None:
             mo.trees[ts.group] = tree
             mo.set_kind(ts.group, ts.kind)
             nodes_of[(ms.name, ts.group)] = nodes
-    by_wid: dict[int, _Worker] = {}
-    now = index._clock()
+    by_wid: dict[int, WorkerState] = {}
+    keys: set[tuple[str, int]] = set()
+    now = index.now()
     for ws in body.workers:
-        wmo = index._models.get(ws.model)
-        if wmo is None:
-            wmo = index._models[ws.model] = _Model(ws.model)
-        mo = wmo
-        w = _Worker(ws.wid, ws.engine, ws.dp_rank, ws.model, mo.rows)
+        got = models.get(ws.model)
+        if got is None:
+            got = models[ws.model] = (ModelState(ws.model), False)
+        mo = got[0]
+        w = WorkerState(ws.wid, ws.engine, ws.dp_rank, ws.model, mo.rows)
         w.last_seq, w.last_ts = ws.last_seq, ws.last_ts
         # Monotonic clocks do not survive a process: age the last apply by the downtime.
         w.last_apply = None if ws.age_s is None else now - ws.age_s - max(0.0, time.time() - body.created)
@@ -559,28 +408,25 @@ def _restore(index: PrefixIndex, body: Body) -> None:
             nodes = nodes_of.get((ws.model, gs.group), [])
             w.groups[gs.group] = _load_group(gs, nodes, index.max_tiers)
         w.refresh()
-        if (ws.engine, ws.dp_rank) in index._workers or ws.wid in by_wid:
+        if (ws.engine, ws.dp_rank) in keys or ws.wid in by_wid:
             raise ValueError(f"worker {ws.engine}/{ws.dp_rank} (wid {ws.wid}) twice")
-        index._workers[(ws.engine, ws.dp_rank)] = w
-        mo.workers[ws.wid] = w
-        mo.ranked = False
+        keys.add((ws.engine, ws.dp_rank))
         by_wid[ws.wid] = w
-    index._next_wid = body.next_wid
-    index._free_wids[:] = body.free_wids
-    t0 = index._clock()
+    orphans: list[tuple[float, WorkerGroup, Hash, tuple[StoredEvent, int]]] = []
     for o in body.orphans:
         w = by_wid[o.wid]
         wg = w.groups.get(o.group)
         if wg is None:
-            wg = w.groups[o.group] = _WG()
+            wg = w.groups[o.group] = WorkerGroup()
         entry = (decode_stored(o.event), o.tier)
         wg.orphans.setdefault(o.parent_hash, []).append(entry)
-        index._orphan_queue.append((t0 - o.age_s, wg, o.parent_hash, entry))
-        index._orphans += 1
+        orphans.append((o.age_s, wg, o.parent_hash, entry))
+    return RestoredState(list(body.tier_names), list(models.values()), list(by_wid.values()), orphans,
+                         body.next_wid, list(body.free_wids))
 
 
-def _load_group(gs: GroupSnap, nodes: list[Node], max_tiers: int) -> _WG:
-    wg = _WG()
+def _load_group(gs: GroupSnap, nodes: list[Node], max_tiers: int) -> WorkerGroup:
+    wg = WorkerGroup()
     wmap = wg.map
     load_map(wmap, gs.hashes, gs.nodes, nodes)
     for h, i in gs.other:
@@ -588,7 +434,7 @@ def _load_group(gs: GroupSnap, nodes: list[Node], max_tiers: int) -> _WG:
     res = list(gs.res)[:max_tiers]
     wg.res[: len(res)] = res
     for tid, ni, nb in gs.ends:
-        ia, na = _col(_U32, ni), _col(_U32, nb)
+        ia, na = col(U32, ni), col(U32, nb)
         if len(ia) != len(na):
             raise ValueError(f"group {gs.group}: chunk ends of different lengths")
         wg.ends[tid] = {nodes[i]: n for i, n in zip(ia, na)}
@@ -605,7 +451,7 @@ def _restamp(tree: Tree, nodes: list[Node], stamps: bytes | None, clock: int) ->
             st[nodes[i]] = i
         tree.clock = len(nodes)
     else:
-        for i, s in enumerate(_col(_U64C, stamps), 1):
+        for i, s in enumerate(col(U64C, stamps), 1):
             if s:
                 st[nodes[i]] = s
         tree.clock = clock

@@ -1,12 +1,17 @@
 """The index's state: every mutable thing the store changes and the query reads.
 
-``IndexState`` holds the models (trees per KV-cache group), the workers (per
-group: engine-hash map, orphans, resident counts, chunk ends), tier names and
-the counters, and builds them empty. The rooms that change or read it are
-mixins over it, one concern each: :mod:`.removal`, :mod:`.lifecycle`,
-:mod:`.store` (apply, orphans), :mod:`.query`; :class:`indexer.PrefixIndex` is
-their sum. Mixins, not separate objects, because the hot paths (apply a batch,
-match a prompt) reach the state through ``self`` with no extra indirection.
+``IndexState`` holds the models (:class:`ModelState`: trees per KV-cache group), the
+workers (:class:`WorkerState`, and per group :class:`WorkerGroup`: engine-hash map,
+orphans, resident counts, chunk ends), tier names and the counters, and builds them
+empty; it looks up a model and an event's tier and group, the helpers every room
+uses. The rooms that change or read it are mixins over it, one concern each, each
+calling only what it or a room below defines: :mod:`.removal`, :mod:`.lifecycle`,
+:mod:`.place` (stores, placeholders, orphans), :mod:`.apply` (a batch), then the
+queries (:mod:`indexer.query.prefixes`, :mod:`indexer.query.match`);
+:class:`indexer.PrefixIndex` is their sum. Mixins, not separate objects, because the
+hot paths (apply a batch, match a prompt) reach the state through ``self`` with no
+extra indirection. What reads or rebuilds the state as a whole from outside the
+rooms (snapshots, explain) uses the public methods at the end of :class:`IndexState`.
 """
 
 from __future__ import annotations
@@ -14,18 +19,19 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Sequence, ValuesView
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from indexer.store.inflight import InFlight
 from indexer.store.tree import MAX_TIERS, Kids, Node, Tree
 
 if TYPE_CHECKING:
     from indexer.query.answers import Freshness, Row
-    from indexer.wire.decode import StoredEvent
+    from indexer.wire.decode import RemovedEvent, StoredEvent
     from indexer.wire.events import Hash
 
-__all__ = ["IndexState", "DEFAULT_CREDITS", "DEFAULT_GROUP_KINDS", "ModelRequiredError"]
+__all__ = ["IndexState", "ModelState", "WorkerState", "WorkerGroup", "DEFAULT_CREDITS", "DEFAULT_GROUP_KINDS",
+           "ModelRequiredError", "RestoredState"]
 
 DEFAULT_CREDITS = {"GPU": 1.0, "CPU": 0.75, "STORAGE": 0.25}
 # R-APP-10: groups whose headline figures count. None stands for "unknown".
@@ -37,8 +43,9 @@ GPU = 0  # tier id of "GPU", fixed
 _now = time.monotonic
 
 
-class _WG:
-    """One worker's state in one KV-cache group."""
+class WorkerGroup:
+    """One worker's state in one KV-cache group: its engine-hash map, orphans, resident
+    counts and chunk ends."""
 
     __slots__ = ("map", "orphans", "res", "ends")
 
@@ -71,7 +78,10 @@ class _WG:
             self.ends[tid].pop(node, None)
 
 
-class _Worker:
+class WorkerState:
+    """One worker (an engine's DP rank): its place in its model, its stream position,
+    freshness and counters, and its state per KV-cache group."""
+
     __slots__ = (
         "wid", "bit", "engine", "dp_rank", "model", "groups", "last_seq", "last_ts",
         "last_apply", "stale", "stale_reason", "dropped", "batches", "restarts", "gaps", "fresh", "rows", "pos",
@@ -83,7 +93,7 @@ class _Worker:
         self.engine = engine
         self.dp_rank = dp_rank
         self.model = model
-        self.groups: dict[int, _WG] = {}
+        self.groups: dict[int, WorkerGroup] = {}
         self.last_seq: int | None = None
         self.last_ts: float | None = None
         self.last_apply: float | None = None
@@ -94,7 +104,7 @@ class _Worker:
         self.restarts = 0
         self.gaps = 0
         self.rows = rows  # the model's rows: wid -> (engine, dp_rank, freshness, position)
-        self.pos = 0  # this worker's place in its model's (engine, dp_rank) order (_Model.rank)
+        self.pos = 0  # this worker's place in its model's (engine, dp_rank) order (ModelState.rank)
         if len(rows) <= wid:
             rows.extend([None] * (wid + 1 - len(rows)))
         self.refresh()
@@ -106,7 +116,10 @@ class _Worker:
         self.rows[self.wid] = (self.engine, self.dp_rank, self.fresh, self.pos)
 
 
-class _Model:
+class ModelState:
+    """One model: its trees and their kinds per KV-cache group, its workers, and what
+    a query's answers read of them (``rows``)."""
+
     __slots__ = ("name", "trees", "kinds", "windows", "window_groups", "workers", "rows", "ranked", "_defaults",
                  "tiered")
 
@@ -120,7 +133,7 @@ class _Model:
         # The groups whose kind is a sliding window (set_kind): their stores never take
         # the raw insert (they leave out null blocks), and may wait for their batch's end.
         self.window_groups: set[int] = set()
-        self.workers: dict[int, _Worker] = {}
+        self.workers: dict[int, WorkerState] = {}
         # wid -> (engine, dp_rank, freshness, position) or None: what a query's answers
         # need of each worker, in one list the compiled answers() reads by index.
         self.rows: list[Row | None] = []
@@ -162,8 +175,21 @@ _EVENT_NAMES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 WINDOW_KIND = "sliding_window"
 
 
-def _engine_rank(w: _Worker) -> tuple[str, int]:
+def _engine_rank(w: WorkerState) -> tuple[str, int]:
     return w.engine, w.dp_rank
+
+
+class RestoredState(NamedTuple):
+    """A whole state, built apart, for :meth:`IndexState.restore_state` to install."""
+
+    tier_names: list[str]  # by tier id
+    models: list[tuple[ModelState, bool]]  # (model, idle: its last worker left)
+    workers: list[WorkerState]  # each of a model above; wid and (engine, dp_rank) unique
+    # (age in seconds, worker group, missing parent hash, (store, tier id)), oldest first;
+    # each entry already in its group's ``orphans``
+    orphans: list[tuple[float, WorkerGroup, Hash, tuple[StoredEvent, int]]]
+    next_wid: int
+    free_wids: list[int]
 
 
 class ModelRequiredError(KeyError):
@@ -220,11 +246,11 @@ class IndexState:
         # interpreter's 5 ms switch interval. A deque because append/pop are atomic
         # under the GIL, where `+= 1` from several query threads could drift.
         self.readers_waiting: deque[None] = deque()
-        self._models: dict[str, _Model] = {}
+        self._models: dict[str, ModelState] = {}
         # Models whose last worker left, oldest first: kept (their groups and block sizes
         # are what the next engine of the model will have), up to MAX_IDLE_MODELS.
         self._idle_models: dict[str, None] = {}
-        self._workers: dict[tuple[str, int], _Worker] = {}
+        self._workers: dict[tuple[str, int], WorkerState] = {}
         self._free_wids: list[int] = []
         self._next_wid = 0
         # Tier names <-> ids; GPU is 0 (set by _clear). The cache maps raw (medium,
@@ -233,7 +259,7 @@ class IndexState:
         self._tier_ids: dict[str, int] = {}
         self._tier_cache: dict[Any, int] = {}  # medium or (medium, ownership) -> tier id
         # (t, wg, parent_hash, entry) in arrival order
-        self._orphan_queue: deque[tuple[float, _WG, Hash, tuple[StoredEvent, int]]] = deque()
+        self._orphan_queue: deque[tuple[float, WorkerGroup, Hash, tuple[StoredEvent, int]]] = deque()
         self._orphans = 0
         # Sliding-window events held to the end of their batch (R-APP-12), and whether
         # the batch's first pass runs (a store deferred once is placed as it can be).
@@ -303,3 +329,151 @@ class IndexState:
         """Count a message the transport dropped before decoding (R-DEC-3)."""
         with self._lock:
             self._drop(engine, "", dp_rank, reason)
+
+    # ------------------------------------------------------- models and tiers
+
+    def model_state(self, model: str | None) -> ModelState:
+        """The state of ``model``; None names the one model with workers (or
+        ``"default"`` among several). The caller holds :attr:`lock`. Changes nothing.
+
+        Raises KeyError for an unknown model, :class:`ModelRequiredError` for None
+        while several models have workers and none is ``"default"``."""
+        if model is None:
+            # The one model with workers (a model whose engines all left does not count).
+            live = [m for m in self._models.values() if m.workers] or list(self._models.values())
+            if len(live) == 1:
+                return live[0]
+            if not live:
+                raise KeyError("no model is indexed yet")
+            # Engines register under "default" unless told otherwise: a query without a
+            # model keeps meaning that pool when another model joins.
+            d = self._models.get("default")
+            if d is not None and d.workers:
+                return d
+            names = ", ".join(sorted(m.name for m in live))
+            raise ModelRequiredError(f"model is required: several models are indexed ({names})")
+        m = self._models.get(model)
+        if m is None:
+            raise KeyError(f"unknown model {model!r}")
+        return m
+
+    def _tier(self, medium: object, ownership: object, create: bool = True) -> int:
+        """Tier id of an event (contract §1 Tier); -1 once ``max_tiers`` are in use, or,
+        with ``create`` False (a removal: nothing can be resident in a tier never
+        stored to), when the tier is not in use yet. A new tier takes the next id."""
+        ck = medium if ownership is None else (medium, ownership)
+        tid = self._tier_cache.get(ck)
+        if tid is not None:
+            return tid
+        if not isinstance(medium, (str, type(None))) or not isinstance(ownership, (str, type(None))):
+            return -1
+        name = (medium or "GPU").upper()
+        if ownership is not None:
+            name = f"{name}:{ownership}"
+        tid = self._tier_ids.get(name)
+        if tid is None:
+            if not create or len(self._tier_names) >= self.max_tiers:
+                return -1
+            tid = len(self._tier_names)
+            self._tier_names.append(name)
+            self._tier_ids[name] = tid
+        if len(self._tier_cache) < 4 * self.max_tiers:
+            self._tier_cache[ck] = tid
+        return tid
+
+    def _group(self, ev: StoredEvent | RemovedEvent) -> int:
+        """The event's KV-cache group (0 when it names none); -1 past ``max_groups``."""
+        g = ev.group_idx
+        if g is None:
+            return 0
+        if g < 0 or g >= self.max_groups:
+            return -1
+        return g
+
+    # ------------------------------------------ the whole state, read and restored
+    #
+    # What reads or rebuilds the state as a whole (snapshots, explain) goes through
+    # these, under ``lock`` where they say so; the rooms above reach the fields directly.
+
+    @property
+    def lock(self) -> threading.Lock:
+        """The index lock: every public method takes it once; hold it to read the state."""
+        return self._lock
+
+    def now(self) -> float:
+        """The index's clock (monotonic unless one was given)."""
+        return self._clock()
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        """Tier names by tier id (GPU is 0)."""
+        return tuple(self._tier_names)
+
+    def tier_id(self, name: str) -> int | None:
+        """The id of the tier named ``name``, None while nothing was stored to it."""
+        return self._tier_ids.get(name)
+
+    def model_states(self) -> Iterator[tuple[ModelState, bool]]:
+        """Every model with whether it is idle (its last worker left); under :attr:`lock`."""
+        idle = self._idle_models
+        for name, m in self._models.items():
+            yield m, name in idle
+
+    def worker_states(self) -> ValuesView[WorkerState]:
+        """Every worker, in registration order; under :attr:`lock`."""
+        return self._workers.values()
+
+    def orphan_entries(self) -> Iterator[tuple[float, WorkerGroup, Hash, tuple[StoredEvent, int]]]:
+        """``(buffered at, worker group, missing parent hash, (store, tier id))`` of every
+        orphan still buffered, oldest first; under :attr:`lock`."""
+        for t, wg, ph, entry in self._orphan_queue:
+            lst = wg.orphans.get(ph)
+            if lst is not None and any(e is entry for e in lst):  # else adopted or dropped already
+                yield t, wg, ph, entry
+
+    def wids(self) -> tuple[int, list[int]]:
+        """``(next new worker id, free worker ids)``, a copy; under :attr:`lock`."""
+        return self._next_wid, list(self._free_wids)
+
+    def is_empty(self) -> bool:
+        """No model and no worker (a restore's precondition)."""
+        return not self._workers and not self._models
+
+    def restore_state(self, build: Callable[[], RestoredState], *, replace: bool = False) -> None:
+        """Make the state the one ``build`` returns (:mod:`indexer.store.snapshot` builds
+        it from a snapshot), under the lock: what the index held goes first with
+        ``replace`` (before ``build`` runs: the two never take memory at once); without
+        it, a ValueError unless the index is empty. Settings and counters stay. When
+        ``build`` raises, the index is left empty and the exception goes on (``build``
+        frees the trees it made)."""
+        with self._lock:
+            if replace:
+                self._clear()
+            elif not self.is_empty():
+                raise ValueError("restore needs an empty index")
+            try:
+                st = build()
+            except BaseException:
+                self._clear()
+                raise
+            self._tier_names[:] = st.tier_names
+            self._tier_ids.clear()
+            self._tier_ids.update((n, i) for i, n in enumerate(st.tier_names))
+            self._tier_cache.clear()
+            self._tier_cache[None] = GPU
+            for m, idle in st.models:
+                self._models[m.name] = m
+                if idle:
+                    self._idle_models[m.name] = None
+            for w in st.workers:
+                self._workers[(w.engine, w.dp_rank)] = w
+                mo = self._models[w.model]
+                mo.workers[w.wid] = w
+                mo.ranked = False
+            self._next_wid = st.next_wid
+            self._free_wids[:] = st.free_wids
+            t0 = self._clock()
+            q = self._orphan_queue
+            for age_s, wg, ph, entry in st.orphans:
+                q.append((t0 - age_s, wg, ph, entry))
+            self._orphans += len(st.orphans)

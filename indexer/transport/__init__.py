@@ -2,7 +2,8 @@
 
 ``sockets`` holds the ZMQ SUB/DEALER pairs and the poll loop (frames to a ``Sub``);
 ``discovery`` resolves engines by DNS and tells a ``Registry`` what came and went;
-``engine_metrics`` scrapes the engines' own ``/metrics`` for their load.
+``engine_metrics`` scrapes the engines' own ``/metrics`` for their load, which
+``vllm_metrics`` reads per DP rank.
 """
 
 from indexer._compat import package_getattr
