@@ -57,18 +57,26 @@ class Server(Child):
         super().__init__(["serve", "--host", "127.0.0.1", "--port", str(self.port), *args],
                          Path(os.environ.get("TMPDIR", "/tmp")) / f"kvi-serve-{self.port}.log", env, preexec_fn)
         deadline = time.monotonic() + 30
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kv-indexer serve exited {self.proc.returncode}: {self.output()}")
-            try:
-                if Client(self.port).get("/healthz")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"kv-indexer serve did not answer: {self.output()}")
-            time.sleep(0.05)
-        self.client = Client(self.port)
+        self.client = Client(self.port)  # one connection for the probes and the test after
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"kv-indexer serve exited {self.proc.returncode}: {self.output()}")
+                try:
+                    if self.client.get("/healthz")[0] == 200:
+                        break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"kv-indexer serve did not answer: {self.output()}")
+                time.sleep(0.05)
+        except BaseException:
+            self.stop()  # nobody else holds this server yet: its process, log and socket end here
+            raise
+
+    def stop(self) -> None:
+        super().stop()
+        self.client.conn.close()
 
 
 class Client:
