@@ -541,7 +541,7 @@ def test_pure_python_build_passes_the_index_tests() -> None:
     tests = ["test_apply.py", "test_query.py", "test_stateful.py", "test_lifecycle.py", "test_keys.py",
              "test_decode.py"]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
-                       env=env, capture_output=True, text=True, cwd=ROOT / "tests", timeout=600)
+                       env=env, capture_output=True, text=True, cwd=ROOT / "tests" / "unit", timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert " passed" in r.stdout
 
