@@ -39,6 +39,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(tier)
 
 
+@pytest.fixture(autouse=True)
+def _close_clients():
+    """Close the connection of every ``svc.Client`` the test made, rather than leave its
+    socket to the garbage collector (a ResourceWarning, an error here, in a later test)."""
+    yield
+    import svc
+
+    while svc.Client.opened:
+        svc.Client.opened.pop().close()
+
+
 @pytest.fixture
 def serve():
     """``serve(*args, env=None)`` starts a ``kv-indexer serve`` (a :class:`svc.Server`,

@@ -76,15 +76,23 @@ class Server(Child):
 
     def stop(self) -> None:
         super().stop()
-        self.client.conn.close()
+        self.client.close()
 
 
 class Client:
-    """One keep-alive connection; every call returns ``(status, parsed JSON or text)``."""
+    """One keep-alive connection; every call returns ``(status, parsed JSON or text)``.
+    Every client made during a test has its connection closed after it (tests/conftest.py);
+    a client kept longer reconnects on its next call."""
+
+    opened: list[Client] = []
 
     def __init__(self, port: int) -> None:
         self.port = port
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+        Client.opened.append(self)
+
+    def close(self) -> None:
+        self.conn.close()
 
     def call(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
         h = {"content-type": "application/json", **(headers or {})}
