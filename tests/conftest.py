@@ -5,6 +5,11 @@
   otherwise, closed after the test;
 * ``mooncake_trace``: the Mooncake trace, or a skip where it is absent.
 
+Every test is marked with its tier, the folder it is in (``unit``, ``service``, ``e2e``),
+so ``pytest -m unit`` runs the in-process tier alone. The ``skipgate`` plugin fails a CI
+session (``CI`` true) that skipped a test for a reason it does not expect; ``pytester``
+is there for the tests of that gate.
+
 Plain helpers stay importable modules: ``svc`` (the HTTP client, waits, free ports),
 ``evkit`` (vLLM-shaped events, engine hashes, index probes) and ``golden`` (the vendored
 vLLM payloads in ``tests/data/vllm-golden``).
@@ -12,9 +17,37 @@ vLLM payloads in ``tests/data/vllm-golden``).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+pytest_plugins = ["pytester", "skipgate"]
+
 EPHEMERAL = "tcp://127.0.0.1:*"
+TESTS = Path(__file__).resolve().parent
+TIERS = ("unit", "service", "e2e")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        try:
+            tier = item.path.resolve().relative_to(TESTS).parts[0]
+        except ValueError:  # a test outside tests/ (a pytester session's)
+            continue
+        if tier in TIERS:
+            item.add_marker(tier)
+
+
+@pytest.fixture(autouse=True)
+def _close_clients():
+    """Close the connection of every ``svc.Client`` the test made, rather than leave its
+    socket to the garbage collector (a ResourceWarning, an error here, in a later test)."""
+    yield
+    import svc
+
+    while svc.Client.opened:
+        svc.Client.opened.pop().close()
 
 
 @pytest.fixture

@@ -134,26 +134,44 @@ class Server(Child):
         fd, log = tempfile.mkstemp(prefix="kvi-serve-", suffix=".log", dir=os.environ.get("TMPDIR"))
         os.close(fd)
         super().__init__(["serve", "--host", "127.0.0.1", "--port", "0", *args], Path(log), env, preexec_fn)
-        self.port = bound_port(self.output, self.proc, "kv-indexer serve")
+        try:
+            self.port = bound_port(self.output, self.proc, "kv-indexer serve")
+            self.client = Client(self.port)  # one connection for the probes and the test after
 
-        def healthy() -> bool:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kv-indexer serve exited {self.proc.returncode}: {self.output()}")
-            try:
-                return Client(self.port).get("/healthz")[0] == 200
-            except OSError:
-                return False
+            def healthy() -> bool:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"kv-indexer serve exited {self.proc.returncode}: {self.output()}")
+                try:
+                    return self.client.get("/healthz")[0] == 200
+                except OSError:
+                    return False
 
-        wait_until(healthy, 30, 0.05, msg=lambda: f"kv-indexer serve to answer /healthz: {self.output()}")
-        self.client = Client(self.port)
+            wait_until(healthy, 30, 0.05, msg=lambda: f"kv-indexer serve to answer /healthz: {self.output()}")
+        except BaseException:
+            self.stop()  # nobody else holds this server yet: its process, log and socket end here
+            raise
+
+    def stop(self) -> None:
+        super().stop()
+        client = getattr(self, "client", None)  # absent when the child never said its port
+        if client is not None:
+            client.close()
 
 
 class Client:
-    """One keep-alive connection; every call returns ``(status, parsed JSON or text)``."""
+    """One keep-alive connection; every call returns ``(status, parsed JSON or text)``.
+    Every client made during a test has its connection closed after it (tests/conftest.py);
+    a client kept longer reconnects on its next call."""
+
+    opened: list[Client] = []
 
     def __init__(self, port: int) -> None:
         self.port = port
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+        Client.opened.append(self)
+
+    def close(self) -> None:
+        self.conn.close()
 
     def call(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
         h = {"content-type": "application/json", **(headers or {})}

@@ -176,10 +176,9 @@ class Indexer(ZmqTransport, Background, Queries):
         self.reconnect_ivl_ms = int(reconnect_ivl_ms)
         self.reconnect_ivl_max_ms = int(reconnect_ivl_max_ms)
         self.max_workers = int(max_workers)
-        if context is None:
-            context = zmq.Context()
-            context.set(zmq.MAX_SOCKETS, 4 * self.max_workers + 64)
-        self._ctx = context
+        # A context of our own is made by start() and ended by stop(), so an Indexer that
+        # never started, or has stopped, holds no ZMQ I/O thread (nor an unclosed context).
+        self._given_ctx = context
         self._engines: dict[tuple[str, int], EngineConfig] = {}  # (id, dp_rank_start)
         self._subs: dict[tuple[str, int], WorkerStream] = {}
         self._cmds: queue.Queue[tuple[str, Any, threading.Event, list[Any]]] = queue.Queue()
@@ -235,6 +234,11 @@ class Indexer(ZmqTransport, Background, Queries):
         """Start the ingest thread (returns at once; engines connect in the background)."""
         if self._thread is not None:
             return
+        if self._given_ctx is not None:
+            self._ctx = self._given_ctx
+        else:
+            self._ctx = zmq.Context()
+            self._ctx.set(zmq.MAX_SOCKETS, 4 * self.max_workers + 64)
         wake_rx = self._ctx.socket(zmq.PAIR)
         wake_rx.bind(self._wake_addr)
         self._wake_tx = self._ctx.socket(zmq.PAIR)
@@ -265,6 +269,10 @@ class Indexer(ZmqTransport, Background, Queries):
         if self._wake_tx is not None:
             self._wake_tx.close(0)
             self._wake_tx = None
+        if self._given_ctx is None and not t.is_alive():
+            # The ingest thread has closed its sockets and ended: no socket is in use, and
+            # destroy (not term) cannot wait forever on one a failed close left behind.
+            self._ctx.destroy(linger=0)
 
     def add_engine(self, engine: EngineConfig | dict[str, Any] | None = None, *, via: str = "library",
                    **fields: Any) -> EngineConfig:

@@ -94,12 +94,17 @@ class VllmPublisher:
         self._pub.setsockopt(zmq.SNDHWM, hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         binds = _binds(self.endpoint) if bind is None else bind
-        if binds:
-            self._pub.bind(self.endpoint)
-            self.live_endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
-        else:
-            self._pub.connect(self.endpoint)
-            self.live_endpoint = self.endpoint
+        try:
+            if binds:
+                self._pub.bind(self.endpoint)
+                self.live_endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+            else:
+                self._pub.connect(self.endpoint)
+                self.live_endpoint = self.endpoint
+        except zmq.ZMQError:
+            # A port taken, say: the socket is closed here, not left to the garbage collector.
+            self._pub.close(0)
+            raise
         self._stop = threading.Event()
         self._thread = None
         self.bound_replay_endpoint = None
@@ -107,7 +112,12 @@ class VllmPublisher:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
             self._router.setsockopt(zmq.LINGER, 0)
-            self._router.bind(self.replay_endpoint)
+            try:
+                self._router.bind(self.replay_endpoint)
+            except zmq.ZMQError:
+                self._router.close(0)
+                self._pub.close(0)
+                raise
             self.bound_replay_endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
             self._thread = threading.Thread(target=self._serve_replay, name="vllm-publisher-replay", daemon=True)
             self._thread.start()

@@ -131,3 +131,6 @@ class HttpRouter:
             raise RuntimeError(f"/v1/route answered {r.status}: {doc}")
         worker: str = doc["worker"]
         return worker
+
+    def close(self) -> None:
+        self.conn.close()

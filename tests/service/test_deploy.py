@@ -1,7 +1,7 @@
-"""Deploy artefacts, tested with what runs here (no Docker engine, no helm): the chart's YAML
-parses and lints, every ``.Values`` path a template uses exists, the templates render (by a
-small Go-template interpreter below, the subset the chart uses) to the hand-rendered examples
-in docs/deploy.md, the token, NetworkPolicy and durable-state switches (persistence, peer
+"""Deploy artefacts, tested with what runs here (no Docker engine, no cluster): the chart's
+YAML parses and lints, every ``.Values`` path a template uses exists, the templates render
+(by Helm's own engine, see ``render_files``) to the hand-rendered examples in
+docs/deploy.md, the token, NetworkPolicy and durable-state switches (persistence, peer
 bootstrap, relay and NATS) render what they promise or are refused by name, and the
 Dockerfile's install step works in a fresh virtual environment and its entry point starts."""
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import copy
-import hashlib
 import json
 import os
 import re
@@ -20,6 +19,7 @@ import sys
 import urllib.error
 import urllib.request
 
+import helm_python as helm
 import pytest
 import yaml
 
@@ -124,404 +124,36 @@ def key_paths(text: str) -> set[str]:
     return out
 
 
-# A Go text/template interpreter for the subset the chart uses (there is no helm binary
-# here): trim markers, comments, define/include, if/else if/else, with/else, range/else,
-# variables, pipelines, parenthesised calls and the Sprig functions below. Anything else
-# raises, so a template change it cannot follow fails the tests instead of passing unread.
+# The chart is rendered by Helm itself: Helm v4's Go SDK (its template engine, Sprig
+# functions, values coalescing, .Files), built into helm-python-sdk's libhelm_c and called
+# through ctypes; no helm binary and no cluster. It renders what ``helm template`` renders,
+# file by file (NOTES.txt included), before the CLI joins them into one stream.
 
-class TemplateError(Exception):
-    """The template cannot be rendered (what ``helm template`` would refuse)."""
-
-
-class ChartFail(TemplateError):
+class ChartFail(Exception):
     """The chart's own ``fail`` or ``required``: the values are refused, with this message."""
 
 
-_SEGMENT = re.compile(r"{{(-\s)?(.*?)(\s-)?}}", re.S)
-_LEX = re.compile(r"""\s*(?:(?P<str>"(?:[^"\\]|\\.)*")|(?P<raw>`[^`]*`)|(?P<num>-?\d+(?:\.\d+)?)|(?P<decl>:=)"""
-                  r"""|(?P<op>[()|,])|(?P<var>\$\w*(?:\.\w+)*)|(?P<field>(?:\.\w+)+|\.)|(?P<ident>[A-Za-z_]\w*))""")
-_MISSING = object()
-
-
-def _lex(src: str) -> list[tuple[str, str]]:
-    out, pos = [], 0
-    while pos < len(src.rstrip()):
-        m = _LEX.match(src, pos)
-        if not m:
-            raise TemplateError(f"cannot read {src[pos:]!r}")
-        kind = m.lastgroup
-        out.append((kind, m.group(kind)))
-        pos = m.end()
-    return out
-
-
-def _pipeline(toks: list[tuple[str, str]], i: int = 0, close: str | None = None) -> tuple[tuple, int]:
-    """(declared variables, [command, ...]), each command a list of operands."""
-    decl: list[str] = []
-    j = i
-    while j < len(toks) and toks[j][0] == "var" or (j < len(toks) and toks[j] == ("op", ",")):
-        j += 1
-    if j < len(toks) and toks[j][0] == "decl":
-        decl = [v for k, v in toks[i:j] if k == "var"]
-        i = j + 1
-    cmds: list[list] = [[]]
-    while i < len(toks):
-        kind, v = toks[i]
-        if (kind, v) == ("op", ")"):
-            if close != ")":
-                raise TemplateError("unbalanced )")
-            return (decl, cmds), i + 1
-        if (kind, v) == ("op", "|"):
-            cmds.append([])
-        elif (kind, v) == ("op", "("):
-            sub, i = _pipeline(toks, i + 1, ")")
-            cmds[-1].append(("sub", sub))
-            continue
-        elif kind == "str":
-            cmds[-1].append(("lit", json.loads(v)))
-        elif kind == "raw":
-            cmds[-1].append(("lit", v[1:-1]))
-        elif kind == "num":
-            cmds[-1].append(("lit", float(v) if "." in v else int(v)))
-        elif kind == "ident" and v in ("true", "false", "nil"):
-            cmds[-1].append(("lit", {"true": True, "false": False, "nil": None}[v]))
-        elif kind in ("ident", "var", "field"):
-            cmds[-1].append((kind, v))
-        else:
-            raise TemplateError(f"unexpected {v!r}")
-        i += 1
-    if close:
-        raise TemplateError("missing )")
-    if not all(cmds):
-        raise TemplateError("empty command in a pipeline")
-    return (decl, cmds), i
-
-
-def _parse(src: str, defines: dict) -> list:
-    """Template text -> nodes; ``define`` blocks go to ``defines``."""
-    items: list[tuple[str, str]] = []
-    pos = 0
-    for m in _SEGMENT.finditer(src):
-        text = src[pos:m.start()]
-        if m.group(1):
-            text = text.rstrip()
-        if items and items[-1][0] == "trim":
-            text = text.lstrip()
-            items.pop()
-        items.append(("text", text))
-        items.append(("action", m.group(2).strip()))
-        if m.group(3):
-            items.append(("trim", ""))
-        pos = m.end()
-    text = src[pos:]
-    if items and items[-1][0] == "trim":
-        text = text.lstrip()
-        items.pop()
-    items.append(("text", text))
-
-    def block(i: int) -> tuple[list, int, str]:
-        nodes: list = []
-        while i < len(items):
-            kind, s = items[i]
-            i += 1
-            if kind == "text":
-                if s:
-                    nodes.append(("text", s))
-                continue
-            if s.startswith("/*"):
-                continue
-            word, _, rest = s.partition(" ")
-            if word in ("end", "else"):
-                return nodes, i, s
-            if word in ("if", "with"):
-                # [(condition, body), ...] for if / else if ...; then the else body.
-                conds, bodies = [_pipeline(_lex(rest))[0]], []
-                while True:
-                    body, i, stop = block(i)
-                    bodies.append(body)
-                    if stop == "end":
-                        break
-                    if len(bodies) > len(conds):
-                        raise TemplateError(f"{word}: {stop!r} after else")
-                    if stop.startswith(f"else {word} "):
-                        conds.append(_pipeline(_lex(stop[len(word) + 6:]))[0])
-                    elif stop != "else":
-                        raise TemplateError(f"{word}: unexpected {stop!r}")
-                other = bodies.pop() if len(bodies) > len(conds) else []
-                nodes.append((word, list(zip(conds, bodies)), other))
-            elif word == "range":
-                body, i, stop = block(i)
-                other = []
-                if stop == "else":
-                    other, i, stop = block(i)
-                if stop != "end":
-                    raise TemplateError(f"range: unexpected {stop!r}")
-                nodes.append(("range", _pipeline(_lex(rest))[0], body, other))
-            elif word == "define":
-                body, i, stop = block(i)
-                if stop != "end":
-                    raise TemplateError(f"define: unexpected {stop!r}")
-                defines[json.loads(rest)] = body
-            elif word in ("template", "block", "break", "continue"):
-                raise TemplateError(f"{word!r} is not supported here")
-            else:
-                nodes.append(("out", _pipeline(_lex(s))[0]))
-        return nodes, i, "EOF"
-
-    nodes, _, stop = block(0)
-    if stop != "EOF":
-        raise TemplateError(f"unexpected {stop!r}")
-    return nodes
-
-
-def _truth(v) -> bool:
-    if v is None or v is _MISSING:
-        return False
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, (int, float, str, list, dict, tuple)):
-        return bool(v)
-    return True
-
-
-def _text(v) -> str:
-    """A value as ``{{ }}`` prints it (Helm prints a missing value as nothing)."""
-    if v is None or v is _MISSING:
-        return ""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, float):
-        return str(int(v)) if v.is_integer() and abs(v) < 1e6 else repr(v)
-    if isinstance(v, (int, str)):
-        return str(v)
-    raise TemplateError(f"printing a {type(v).__name__} ({v!r}): Go would print its fmt form, use toYaml")
-
-
-def _to_yaml(v) -> str:
-    out = yaml.safe_dump(v, default_flow_style=False, sort_keys=True, width=10**6)
-    return out.removesuffix("\n...\n").rstrip("\n")
-
-
-def _print(*args) -> str:
-    out = ""
-    for n, a in enumerate(args):
-        if n and not isinstance(a, str) and not isinstance(args[n - 1], str):
-            out += " "
-        out += _text(a)
-    return out
-
-
-def _printf(fmt: str, *args) -> str:
-    it = iter(args)
-    return re.sub(r"%[sdvq]", lambda m: json.dumps(_text(next(it))) if m.group() == "%q" else _text(next(it)), fmt)
-
-
-def _trunc(n: int, s: str) -> str:
-    if n < 0 and len(s) + n > 0:
-        return s[len(s) + n:]
-    return s[:n] if n >= 0 else s
-
-
-def _indent(n: int, s: str) -> str:
-    return " " * n + s.replace("\n", "\n" + " " * n)
-
-
-def _required(msg: str, v):
-    if v is None or v == "":
-        raise ChartFail(msg)
-    return v
-
-
-def _fail(msg: str):
-    raise ChartFail(msg)
-
-
-def _set(d: dict, k: str, v) -> dict:
-    d[k] = v
-    return d
-
-
-def _first(pred, args):
-    for a in args:
-        if pred(_truth(a)):
-            return a
-    return args[-1]
-
-
-FUNCS = {
-    "and": lambda *a: _first(lambda t: not t, a),
-    "or": lambda *a: _first(lambda t: t, a),
-    "not": lambda v: not _truth(v),
-    "eq": lambda a, *b: any(a == x for x in b),
-    "ne": lambda a, b: a != b,
-    "lt": lambda a, b: a < b,
-    "gt": lambda a, b: a > b,
-    "int": int,
-    "list": lambda *a: list(a),
-    "hasPrefix": lambda prefix, s: s.startswith(prefix),
-    "len": len,
-    "empty": lambda v: not _truth(v),
-    "default": lambda d, v=None: v if _truth(v) else d,
-    "print": _print,
-    "printf": _printf,
-    "quote": lambda *a: " ".join(json.dumps(_text(x), ensure_ascii=False) for x in a if x is not None),
-    "trunc": _trunc,
-    "trimSuffix": lambda suf, s: s.removesuffix(suf),
-    "trim": lambda s: s.strip(),
-    "contains": lambda sub, s: sub in s,
-    "replace": lambda old, new, s: s.replace(old, new),
-    "indent": _indent,
-    "nindent": lambda n, s: "\n" + _indent(n, s),
-    "toYaml": _to_yaml,
-    "b64enc": lambda s: base64.b64encode(_text(s).encode()).decode(),
-    "sha256sum": lambda s: hashlib.sha256(s.encode()).hexdigest(),
-    "dict": lambda *kv: dict(zip(kv[::2], kv[1::2])),
-    "set": _set,
-    "hasKey": lambda d, k: k in d,
-    "deepCopy": copy.deepcopy,
-    "required": _required,
-    "fail": _fail,
-}
-
-
-class Chart:
-    """The chart's templates, parsed once; :meth:`render` evaluates them for given values."""
-
-    def __init__(self, path=CHART) -> None:
-        self.path = path
-        meta = yaml.safe_load((path / "Chart.yaml").read_text())
-        self.chart = {"Name": meta["name"], "Version": meta["version"], "AppVersion": meta["appVersion"]}
-        self.base = f"{meta['name']}/templates"
-        self.defines: dict[str, list] = {}
-        self.files: list[str] = []
-        for p in sorted((path / "templates").iterdir()):
-            name = f"{self.base}/{p.name}"
-            self.defines[name] = _parse(p.read_text(), self.defines)
-            if not p.name.startswith("_"):
-                self.files.append(name)
-
-    def render(self, values: dict, release: str = "kvi", namespace: str = "default") -> dict[str, str]:
-        """Every template file's output, by file name (``NOTES.txt`` included)."""
-        out = {}
-        for name in self.files:
-            root = {"Values": values, "Chart": self.chart, "Template": {"BasePath": self.base, "Name": name},
-                    "Release": {"Name": release, "Namespace": namespace, "Service": "Helm"},
-                    "Files": {"Get": self._file}}
-            out[name.rsplit("/", 1)[1]] = self._include(name, root, root)
-        return out
-
-    def _file(self, name: str) -> str:
-        """``.Files.Get``: a file of the chart outside templates/ (helm gives "" for a missing
-        one; refused here, so a wrong path fails the tests)."""
-        p = self.path / name
-        if name.startswith("templates/") or not p.is_file():
-            raise TemplateError(f".Files.Get: no file {name!r} in the chart")
-        return p.read_text()
-
-    def _include(self, name: str, dot, root) -> str:
-        if name not in self.defines:
-            raise TemplateError(f"no template {name!r}")
-        return "".join(self._run(self.defines[name], dot, {"$": root}))
-
-    def _run(self, nodes: list, dot, scope: dict):
-        scope = dict(scope)  # variables declared in a block end with it
-        for node in nodes:
-            kind = node[0]
-            if kind == "text":
-                yield node[1]
-            elif kind == "out":
-                v = self._pipe(node[1], dot, scope)
-                if not node[1][0]:
-                    yield _text(v)
-            elif kind in ("if", "with"):
-                for pipe, body in node[1]:
-                    v = self._pipe(pipe, dot, scope)
-                    if _truth(v):
-                        yield from self._run(body, v if kind == "with" else dot, scope)
-                        break
-                else:
-                    yield from self._run(node[2], dot, scope)
-            elif kind == "range":
-                pipe = node[1]
-                v = self._pipe((None, pipe[1]), dot, scope)
-                items = sorted(v.items()) if isinstance(v, dict) else list(enumerate(v or []))
-                for k, item in items:
-                    inner = dict(scope)
-                    if len(pipe[0]) == 1:
-                        inner[pipe[0][0]] = item
-                    elif len(pipe[0]) == 2:
-                        inner[pipe[0][0]], inner[pipe[0][1]] = k, item
-                    yield from self._run(node[2], item, inner)
-                if not items:
-                    yield from self._run(node[3], dot, scope)
-
-    def _pipe(self, pipe, dot, scope: dict):
-        decl, cmds = pipe
-        v = _MISSING
-        for cmd in cmds:
-            v = self._cmd(cmd, dot, scope, v)
-        if decl:
-            scope[decl[0]] = v
-        return v
-
-    def _cmd(self, cmd: list, dot, scope: dict, piped):
-        head = cmd[0]
-        if head[0] != "ident":
-            target = self._operand(head, dot, scope)
-            if callable(target):  # a method of the root object: .Files.Get
-                args = [self._operand(a, dot, scope) for a in cmd[1:]]
-                return target(*args, *(() if piped is _MISSING else (piped,)))
-            if len(cmd) > 1 or piped is not _MISSING:
-                raise TemplateError(f"{head[1]!r} is not a function")
-            return target
-        args = [self._operand(a, dot, scope) for a in cmd[1:]]
-        if piped is not _MISSING:
-            args.append(piped)
-        if head[1] == "include":
-            return self._include(args[0], args[1], scope["$"])
-        if head[1] not in FUNCS:
-            raise TemplateError(f"function {head[1]!r} is not known here")
-        return FUNCS[head[1]](*args)
-
-    def _operand(self, op, dot, scope: dict):
-        kind, v = op
-        if kind == "lit":
-            return v
-        if kind == "sub":
-            return self._pipe(v, dot, scope)
-        if kind == "ident":
-            return self._cmd([op], dot, scope, _MISSING)
-        if kind == "var":
-            name, *path = v.split(".")
-            if name not in scope:
-                raise TemplateError(f"undefined variable {name}")
-            node = scope[name]
-        else:
-            node, path = dot, [p for p in v.split(".") if p]
-        for part in path:
-            if isinstance(node, dict):
-                node = node.get(part)
-            else:
-                raise TemplateError(f"nil pointer evaluating {v} (at {part!r})")
-        return node
-
-
-def merged(base: dict, over: dict) -> dict:
-    """Helm's coalescing of user values over the chart's: maps merge, null removes a key."""
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        if v is None:
-            out.pop(k, None)
-        elif isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = merged(out[k], v)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
+def render_files(overrides: dict | None = None, release: str = "kvi", namespace: str = "default",
+                 chart=CHART) -> dict[str, str]:
+    """Every template file's output for these values (over the chart's values.yaml, merged
+    as Helm merges them: maps key by key, null removes a key), by file name."""
+    with helm.Chart.load(str(chart)) as c:
+        try:
+            # As helm template: an install, revision 1.
+            files = c.render(overrides or {}, name=release, namespace=namespace, revision=1, is_install=True)
+        except helm.HelmRenderError as e:
+            # Helm reports a template's fail/required as an execution error at its position;
+            # any other error (a bad template, a nil pointer) stays a HelmRenderError.
+            m = re.fullmatch(r"execution error at \(([^)]*)\): (.*)", str(e), re.S)
+            if m:
+                raise ChartFail(m.group(2)) from e
+            raise
+    return {name.rsplit("/", 1)[1]: text for name, text in files.items()}
 
 
 def render(overrides: dict | None = None) -> tuple[dict[str, list[dict]], str]:
     """The manifests for these values (over values.yaml), by kind, and NOTES.txt."""
-    files = Chart().render(merged(values(), overrides or {}))
+    files = render_files(overrides)
     notes = files.pop("NOTES.txt")
     kinds: dict[str, list[dict]] = {}
     for text in files.values():
@@ -622,33 +254,28 @@ def test_yamllint_is_clean(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_the_renderer_follows_go_template_rules(tmp_path):
-    """The interpreter the chart tests rely on: trim markers, branches, scopes, pipelines,
-    and a refusal (not a silent blank) for what it or Go would not accept."""
+def test_the_renderer_is_helm_and_tells_a_refusal_from_a_broken_template(tmp_path):
+    """The renderer is Helm v4's engine; the chart's fail/required is a ChartFail (the tests
+    match its message), anything else Helm refuses is not."""
+    assert helm.helm_sdk_version().startswith("v4.")
     (tmp_path / "templates").mkdir()
-    (tmp_path / "Chart.yaml").write_text("name: t\nversion: 0.0.1\nappVersion: '1'\n")
+    (tmp_path / "Chart.yaml").write_text("apiVersion: v2\nname: t\nversion: 0.0.1\nappVersion: '1'\n")
+    (tmp_path / "values.yaml").write_text("m:\n  k: 1\n")
 
     def out(src: str, v: dict | None = None) -> str:
         (tmp_path / "templates" / "t.yaml").write_text(src)
-        return Chart(tmp_path).render(v or {})["t.yaml"]
+        return render_files(v, chart=tmp_path)["t.yaml"]
 
-    assert out("a  {{- 1 -}}  \n b") == "a1b"
-    branches = "{{ if .Values.x }}x{{ else if .Values.y }}y{{ else }}z{{ end }}"
-    assert [out(branches, v) for v in ({"x": 1, "y": 1}, {"y": 1}, {"x": 0})] == ["x", "y", "z"]
-    with_else = "{{ with .Values.m }}{{ .k }}{{ else }}none{{ end }}"
-    assert out(with_else, {"m": {"k": "v"}}) == "v" and out(with_else, {"m": {}}) == "none"
-    each = "{{ range .Values.l }}[{{ . }}]{{ else }}empty{{ end }}"
-    assert out(each, {"l": [1, "b"]}) == "[1][b]" and out(each, {"l": []}) == "empty"
-    assert out('{{ $x := "a" }}{{ if true }}{{ $x := "b" }}{{ $x }}{{ end }}{{ $x }}') == "ba"
-    assert out('{{ .Values.s | default "d" | quote }}', {"s": ""}) == '"d"'
-    assert out("{{ toYaml .Values.m | nindent 2 }}", {"m": {"b": [1], "a": None}}) == "\n  a: null\n  b:\n  - 1"
-    assert out('{{ and 1 0 }} {{ or 0 "" "x" }} {{ not 0 }} {{ len "abc" | lt 2 }}') == "0 x true true"
-    assert out('{{ define "d" }}<{{ .n }}>{{ end }}{{ include "d" (dict "n" 7) }}') == "<7>"
-    for bad, err in (("{{ nosuch 1 }}", TemplateError), ("{{ .Values.a.b }}", TemplateError),
-                     ("{{ .Values.m }}", TemplateError), ("{{ if 1 }}open", TemplateError),
-                     ('{{ fail "refused" }}', ChartFail), ('{{ required "needed" .Values.a }}', ChartFail)):
-        with pytest.raises(err):
-            out(bad, {"m": {"k": 1}})
+    # Sprig and Helm's own functions, and the values merged over values.yaml.
+    assert out('{{ .Values.m.k }} {{ .Values.s | default "d" | quote }} {{ toYaml .Values.m | trim }}') == '1 "d" k: 1'
+    assert out("{{ .Values.m | toYaml }}", {"m": {"k": None, "j": 2}}) == "j: 2"
+    for src, message in (('{{ fail "refused" }}', "refused"), ('{{ required "needed" .Values.a }}', "needed")):
+        with pytest.raises(ChartFail, match=f"^{message}$"):
+            out(src)
+    for src in ("{{ nosuch 1 }}", "{{ .Values.a.b }}", "{{ if 1 }}open"):
+        with pytest.raises(helm.HelmRenderError) as e:
+            out(src)
+        assert not isinstance(e.value, ChartFail)
 
 
 def comparable(doc: dict) -> dict:
@@ -748,9 +375,9 @@ def test_the_token_secret_and_its_mount(auth, created, mounted, key):
 
 
 def test_the_token_never_reaches_the_configmap():
-    v = merged(values(), {"auth": {"token": TOKEN, "authReads": True}, "serviceMonitor": {"enabled": True},
-                          "networkPolicy": {"enabled": True}})
-    files = Chart().render(v)
+    v = {"auth": {"token": TOKEN, "authReads": True}, "serviceMonitor": {"enabled": True},
+         "networkPolicy": {"enabled": True}}
+    files = render_files(v)
     encoded = base64.b64encode(TOKEN.encode()).decode()
     assert encoded in files["secret.yaml"]
     for name, text in files.items():
@@ -942,8 +569,7 @@ def test_bootstrap_asks_a_ready_peer_through_a_headless_service():
     assert {"from": [me], "ports": port} in np["ingress"] and {"to": [me], "ports": port} in np["egress"]
     assert f"from {FULL}-peers" in notes
     # Another namespace, another port: the URL follows.
-    files = Chart().render(merged(values(), {"bootstrap": {"enabled": True}, "service": {"port": 9000}}),
-                           release="r", namespace="prod")
+    files = render_files({"bootstrap": {"enabled": True}, "service": {"port": 9000}}, release="r", namespace="prod")
     dep = yaml.safe_load(files["deployment.yaml"])
     assert env_of(dep)["KVI_BOOTSTRAP_FROM"] == "http://r-kv-prefix-indexer-peers.prod.svc:9000"
     # Off: no peers' Service, no selector change.
@@ -1095,6 +721,7 @@ def test_the_image_install_step_works_in_a_fresh_venv_and_the_entry_point_starts
     finally:
         proc.terminate()
         proc.wait(10)
+        proc.stdout.close()
 
 
 @pytest.mark.parametrize("doc", ["deploy.md"])

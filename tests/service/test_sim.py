@@ -168,7 +168,11 @@ def test_the_http_router_routes_a_fleet_through_a_running_service(serve):
         # Ready since ingest runs (ready_fraction 0); no reasons = every worker connected.
         wait_for(lambda: s.client.get("/readyz")[1]["reasons"] == [], what="the fleet connected")
         reqs = list(synthetic_requests(40, prefixes=2, prefix_tokens=512, suffix_tokens=64, rate=1000))
-        rep = simulate(reqs, fleet.sims, HttpRouter(f"http://127.0.0.1:{s.port}"))
+        router = HttpRouter(f"http://127.0.0.1:{s.port}")
+        try:
+            rep = simulate(reqs, fleet.sims, router)
+        finally:
+            router.close()
         assert rep.requests == 40 and sum(w["requests"] for w in rep.per_worker.values()) == 40
         assert rep.gpu_hit_tokens > 0  # the service saw the fleet's events and routed to the caches
         m = s.client.metrics()

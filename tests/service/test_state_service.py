@@ -375,9 +375,12 @@ def test_R_DUR_1_get_snapshot_is_the_documented_file(flow, servers):
     import http.client
 
     conn = http.client.HTTPConnection("127.0.0.1", svc.port, timeout=20)
-    conn.request("GET", "/v1/snapshot")
-    r = conn.getresponse()
-    data = r.read()
+    try:
+        conn.request("GET", "/v1/snapshot")
+        r = conn.getresponse()
+        data = r.read()
+    finally:
+        conn.close()
     assert r.status == 200 and r.getheader("content-type") == "application/octet-stream"
     assert data[:8] == b"KVISNAP\0" and int.from_bytes(data[8:12], "big") == 1
     assert int.from_bytes(data[16:24], "big") == len(data) - 32

@@ -10,7 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tests.svc import Server
+from svc import Server
 
 ROOT = Path(__file__).resolve().parents[2]
 
