@@ -33,15 +33,14 @@ from api.common import ENC, JSON, HTTPError, off_loop, u64_keys
 from api.metrics import Metrics
 from api.settings import Settings
 from api.state import StateKeeper
+from api.surface import split_json_tokens
 from indexer import PrefixIndex
-from indexer._native import core as _core
 from indexer.ingest.live import Indexer
 from indexer.query.index import ModelRequiredError
 from indexer.query.route import Load
 from indexer.store.snapshot import SnapshotError
 from indexer.transport.discovery import DnsDiscovery
 from indexer.wire.engines import EndpointRefused, EngineConfig
-from indexer.wire.keys import split_json_tokens
 
 log = logging.getLogger("kv_indexer.api")
 audit_log = logging.getLogger("kv_indexer.audit")
@@ -52,11 +51,6 @@ def error_body(detail: str, key: str = "detail") -> bytes:
 
 
 Handler = Callable[[Any], Awaitable[tuple[int, Any]]]
-
-
-# The plain doors' token split: the compiled call itself (keys.split_json_tokens is its
-# wrapper, which says None without the core: the doors are then shut).
-_split_tokens = _core.split_tokens_json if _core is not None else split_json_tokens
 
 
 class _Route:
@@ -217,7 +211,7 @@ class Service:
         route's twin type; the token ids as uint32 bytes)`` when it is the common request
         (token ids, no LoRA or salt, within ``max_request_tokens``); None for anything else,
         which the route's handler then answers (errors included: nothing is counted here)."""
-        split = _split_tokens(body)
+        split = split_json_tokens(body)  # None without api._surface: the plain doors are then shut
         if split is None or route.rest_decoder is None:
             return None
         try:

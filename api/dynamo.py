@@ -22,9 +22,8 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from api import schemas
+from api import schemas, surface
 from api.common import ENC, JSON, HTTPError, u64_keys
-from indexer._native import core as _core
 from indexer.wire.engines import EngineConfig
 
 OK = b'{"status":"ok"}'
@@ -37,8 +36,8 @@ def error_key(path: str) -> str:
     return "error" if path in PATHS else "detail"
 DEFAULT_GROUP = "default"
 _DP = tuple(str(i) for i in range(64))  # dp ranks as JSON keys, made once
-# The compiled answer of the plain door (none without the core: the door is then shut).
-_dynamo_answer = _core.dynamo_answer if _core is not None else None
+# The compiled answer of the plain door (none without api._surface: the door is then shut).
+_dynamo_answer = surface.dynamo_answer
 
 
 class _Instance(msgspec.Struct, gc=False):
