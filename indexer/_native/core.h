@@ -12,7 +12,7 @@
  *   u64map.c    U64Map, the open-addressing table of (uint64, object) slots
  *   node.c      Node, one block of a tree, and its Side
  *   tree.c      the GPU loops over a tree: insert_gpu, insert_gpu_raw, walk, remove_gpu
- *   keys.c      block_keys (xxh3-64 of each block of tokens)
+ *   keys.c      block_keys (xxh3-64 of each block of tokens) and that hash
  *   events.c    vLLM's msgpack events: tokens_from_msgpack, scan_gpu_batch
  *   snapshot.c  a snapshot's columns: NodeIndex, dump_*, node_index, translate, load_*
  *   answers.c   the ranked answers of a GPU-only match
@@ -186,6 +186,9 @@ map_new(void)
     m->other = NULL;
     return m;
 }
+
+/* keys.c: the block key's hash, xxh3-64 with a seed (the xxhash wheel's XXH3_64bits_withSeed). */
+KVI_HIDDEN uint64_t kvi_xxh3_64(const void *data, size_t len, uint64_t seed);
 
 /* u64map.c. kvi_map_put stores (k, v) taking a new reference and replaces an existing
  * value; kvi_map_take removes slot i and returns its value (the caller owns it);

@@ -7,11 +7,6 @@
  * block are core.h's static inline helpers. */
 #include "core.h"
 
-/* xxHash 0.8.4 (BSD-2-Clause, vendor/LICENSE.xxhash): the version the `xxhash`
- * wheel bundles, so keys are bit-identical to xxhash.xxh3_64_intdigest. */
-#define XXH_INLINE_ALL
-#include "vendor/xxhash.h"
-
 /* The node a worker's map names under hash h (borrowed), or NULL; *err is set on
  * an error, including a value that is not a node. */
 static inline Node *
@@ -151,7 +146,7 @@ insert_loop(U64Map *wmap, Node *parent, Py_ssize_t n, const uint64_t *hv, const 
                 }
             }
             else
-                k = XXH3_64bits_withSeed(tokens + (size_t)i * step, step, seed);
+                k = kvi_xxh3_64(tokens + (size_t)i * step, step, seed);
             node = (Node *)child_of(parent, k);
             if (node == NULL) {
                 /* A new block: born holding the worker's bit. */
