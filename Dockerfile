@@ -4,7 +4,7 @@
 
 # --- build: a wheel of the project and of every runtime dependency --------------------
 FROM python:3.11-slim AS build
-# gcc builds the compiled core (indexer/_core.c) into the project's wheel.
+# gcc builds the compiled extensions (indexer/_native/*.c, api/_surface.c) into the project's wheel.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src

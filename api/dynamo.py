@@ -20,9 +20,8 @@ import time
 
 import msgspec
 
-from api import schemas
+from api import schemas, surface
 from api.common import ENC, HTTPError, u64_keys
-from indexer._native import core as _core
 from indexer.wire.engines import EngineConfig
 
 OK = b'{"status":"ok"}'
@@ -35,8 +34,8 @@ def error_key(path: str) -> str:
     return "error" if path in PATHS else "detail"
 DEFAULT_GROUP = "default"
 _DP = tuple(str(i) for i in range(64))  # dp ranks as JSON keys, made once
-# The compiled answer of the plain door (none without the core: the door is then shut).
-_dynamo_answer = _core.dynamo_answer if _core is not None else None
+# The compiled answer of the plain door (none without api._surface: the door is then shut).
+_dynamo_answer = surface.dynamo_answer
 
 
 class _Instance(msgspec.Struct, gc=False):

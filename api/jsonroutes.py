@@ -21,8 +21,8 @@ from fastapi.responses import Response
 
 from api import openapi, schemas
 from api.common import ENC, JSON, HTTPError, error_body
+from api.surface import split_json_tokens
 from indexer.query.index import ModelRequiredError
-from indexer.wire.keys import split_json_tokens
 
 if TYPE_CHECKING:
     from api.service import Service

@@ -312,7 +312,7 @@ class DynQueryResponse(msgspec.Struct):
 
 def tokens_twin(cls: type[msgspec.Struct]) -> type[msgspec.Struct] | None:
     """``cls`` without its ``token_ids`` (None when it has none), for the rest of a body
-    whose token array was read in C (:func:`indexer.wire.keys.split_json_tokens`). Every other
+    whose token array was read in C (:func:`api.surface.split_json_tokens`). Every other
     field is validated exactly as by ``cls``; ``token_ids`` stays as an attribute,
     defaulting to None, that the handler fills with the tokens' bytes (not frozen)."""
     fields = msgspec.structs.fields(cls)

@@ -476,7 +476,7 @@ def core_build() -> dict:
 
     so = Path(_compiled.core.__file__) if _compiled.core is not None else None
     return {"head": git("rev-parse", "HEAD").stdout.strip(),
-            "core_c_dirty": git("diff", "--quiet", "--", "indexer/_core.c").returncode != 0,
+            "core_c_dirty": git("diff", "--quiet", "--", "indexer/_native").returncode != 0,
             "so": so.name if so else "none (pure Python)",
             "so_sha256": hashlib.sha256(so.read_bytes()).hexdigest() if so else "",
             "so_mtime": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(so.stat().st_mtime)) if so else ""}
@@ -511,7 +511,7 @@ def main() -> None:
     print(f"# affinity: every process pinned to CPU {args.cpu}" if args.cpu >= 0 else "# affinity: not pinned")
     build = core_build()
     state = "with uncommitted changes" if build["core_c_dirty"] else "as committed"
-    print(f"# tree: {build['head'][:12]}, indexer/_core.c {state}; compiled core {build['so']} "
+    print(f"# tree: {build['head'][:12]}, indexer/_native {state}; compiled core {build['so']} "
           f"(sha256 {build['so_sha256'][:12]}, built {build['so_mtime']})")
     if args.peer and not peer_available():
         print("# peer: .venv-dynamo not found, Dynamo skipped")

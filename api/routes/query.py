@@ -18,20 +18,16 @@ from api import openapi, schemas
 from api.common import ENC, JSON, HTTPError, u64_keys
 from api.jsonroutes import JsonRoute, JsonRouter, answer, service_of
 from api.metrics import Metrics
+from api.surface import split_json_tokens
 from api.settings import Settings
 from api.text import Texts
 from api.ui import Decisions
 from indexer import PrefixIndex
-from indexer._native import core as _core
 from indexer.ingest.base import Ingest
 from indexer.query.explain import explain
 from indexer.query.index import ModelRequiredError
 from indexer.query.route import Load
-from indexer.wire.keys import split_json_tokens
 
-# The plain doors' token split: the compiled call itself (keys.split_json_tokens is its
-# wrapper, which says None without the core: the doors are then shut).
-_split_tokens = _core.split_tokens_json if _core is not None else split_json_tokens
 
 
 class Queries:
@@ -77,7 +73,7 @@ class Queries:
         route's twin type; the token ids as uint32 bytes)`` when it is the common request
         (token ids, no LoRA or salt, within ``max_request_tokens``); None for anything else,
         which the route's handler then answers (errors included: nothing is counted here)."""
-        split = _split_tokens(body)
+        split = split_json_tokens(body)  # None without api._surface: the plain doors are then shut
         if split is None or route.rest_decoder is None:
             return None
         try:

@@ -1,4 +1,4 @@
-"""Which implementation runs: the compiled core (``indexer/_core.c``) unless it is
+"""Which implementation runs: the compiled core (``indexer/_native/*.c``) unless it is
 not built (an install without a C compiler) or ``KVI_PURE_PYTHON=1`` asks for the
 pure-Python twins, the reference the tests hold the compiled core to.
 
@@ -22,7 +22,7 @@ COMPILED = core is not None
 
 def prefault_arenas(n: int) -> bool:
     """Have pymalloc take its arenas from a reserve of ``n`` (1..128) that a background
-    thread keeps faulted in (``indexer/_prefault.c``), process-wide: the page faults of
+    thread keeps faulted in (``indexer/_native/_prefault.c``), process-wide: the page faults of
     a growing index leave the thread that applies events. For a long-lived process that
     grows an index (the service calls it at start). False when that module is not built
     or the platform lacks it (not Linux); nothing changes then."""

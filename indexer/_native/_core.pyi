@@ -1,4 +1,4 @@
-"""Type stub for the compiled core (``indexer/_core.c``).
+"""Type stub for the compiled core (``indexer/_native/*.c``, one file per concern).
 
 The C module has no pure-Python source, so this file is what type checkers see.
 Every name here exists at runtime and nothing else does; ``mypy.stubtest`` checks
@@ -162,7 +162,6 @@ def remove_gpu(
     """
 
 
-def dynamo_answer(workers: list[Any], block_size: int, /) -> bytes: ...
 def answers(
     stops: list[tuple[int, int]],
     rows: list[_Row | None],
@@ -232,16 +231,11 @@ def insert_gpu_raw(
 def scan_gpu_batch(
     payload: Buffer, /
 ) -> tuple[float, int | None, list[tuple[bytes, int | None, bytes, int, int | None, str | None, int, int]]] | None:
-    """A batch of plain GPU stores read in one pass (see _core.c); None for anything else."""
+    """A batch of plain GPU stores read in one pass (see events.c); None for anything else."""
 
 
 def tokens_from_msgpack(raw: Buffer, /) -> bytes | None:
     """A msgpack array of ints in [0, 2**32) as little-endian uint32 bytes; None otherwise."""
-
-
-def split_tokens_json(body: Buffer, /) -> tuple[bytes, bytes] | None:
-    """A JSON request body split into ``(other members as a JSON object, token_ids as
-    little-endian uint32 bytes)``; None when it is anything else."""
 
 
 

@@ -45,7 +45,7 @@ class Query(Prefixes):
         """Longest-prefix match of a prompt for every worker of ``model`` (R-Q-1, R-Q-2).
 
         ``token_ids`` are ints, or already their little-endian uint32 bytes (as
-        :func:`indexer.wire.keys.split_json_tokens` reads them from a request). Keys are computed
+        the service's ``api.surface.split_json_tokens`` reads them from a request). Keys are computed
         for every full block at each group's block size; a trailing partial block
         is ignored. Changes nothing the index holds (R-Q-4); the first query after a
         worker joins re-ranks the model's workers (a cache of their (engine, dp_rank)

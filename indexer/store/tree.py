@@ -17,7 +17,7 @@ Residency is stored as bit masks over worker ids (``wid``), one bit per worker:
 ``kids`` is ``None``, a single child :class:`Node`, or a :data:`Kids` map key ->
 child: most nodes of a prefix tree have exactly one child.
 
-Two implementations share this layout. The compiled core (``indexer/_core.c``)
+Two implementations share this layout. The compiled core (``indexer/_native/*.c``)
 keeps a node's key as a uint64 inside a 48-byte node (``tiers`` and ``dup``, rarely
 set, in a 32-byte side block made while one of them is not ``None``) and its maps
 (a worker's engine hash -> node, a node's key -> child) as tables of 16-byte slots,

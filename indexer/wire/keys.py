@@ -38,7 +38,6 @@ __all__ = [
     "namespace_seed",
     "seeds_for_blocks",
     "tokens_to_bytes",
-    "split_json_tokens",
 ]
 
 KEY_SEED = 1337
@@ -164,14 +163,6 @@ def block_keys(
 _c_block_keys: Callable[[bytes | bytearray, int, int | Sequence[int], int, int], list[int]] | None = (
     _core.block_keys if _core is not None else None
 )
-
-
-def split_json_tokens(body: bytes) -> tuple[bytes, bytes] | None:
-    """A request body (a JSON object with a ``token_ids`` array) split in one pass into
-    ``(the other members as a JSON object, the tokens as little-endian uint32 bytes)``,
-    with no Python int per token. None when the body is anything else, or when there is
-    no compiled core: the caller's typed decoder then reads the whole body."""
-    return _core.split_tokens_json(body) if _core is not None else None
 
 
 def query_extra_keys(

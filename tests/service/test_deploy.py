@@ -695,10 +695,11 @@ def test_the_image_install_step_works_in_a_fresh_venv_and_the_entry_point_starts
     run(install_cmd)
     exe = venv / "bin" / "kv-indexer"
     assert exe.exists()
-    # The wheel carries the compiled core (the image has no compiler to build it later).
-    probe = subprocess.run([py, "-c", "import indexer.store.tree as t; print(t.COMPILED)"], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=60)
-    assert probe.stdout.strip() == "True", probe.stderr[-2000:]
+    # The wheel carries the compiled core and the service's compiled formats (the image has
+    # no compiler to build them later).
+    probe = subprocess.run([py, "-c", "import indexer.store.tree as t, api.surface as s; print(t.COMPILED, s.COMPILED)"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert probe.stdout.strip() == "True True", probe.stderr[-2000:]
     # Port 0: the server binds a free port itself and logs it (uvicorn's start-up line).
     env = {**os.environ, "KVI_HOST": "127.0.0.1", "KVI_PORT": "0", "KVI_LOG_JSON": "true"}
     log = tmp_path / "serve.log"

@@ -1,20 +1,21 @@
-"""The compiled core (``indexer/_core.c``) against its pure-Python references.
+"""The compiled core (``indexer/_native/*.c``) against its pure-Python references.
 
 * ``U64Map`` behaves as a dict for every key an engine can send (u64 ints in the
   table; bytes, negative and huge ints in its side dict), through growth,
   backward-shift deletion and shrinking;
 * ``Node``, ``insert_gpu``, ``walk`` and ``answers`` do what their pure twins in
   tree.py and result.py do;
-* ``block_keys`` is xxh3-64 of each block (R-KEY-2); the token readers (an
-  event's msgpack array, a request's JSON body) accept exactly the plain uint32
-  arrays and decline everything else;
-* the request decoder's C path gives the typed decoder's answer or error;
+* ``block_keys`` is xxh3-64 of each block (R-KEY-2); the token reader (an
+  event's msgpack array) accepts exactly the plain uint32 arrays and declines
+  everything else;
 * the pure-Python build (``KVI_PURE_PYTHON=1``) still passes the index's tests.
+
+The service's compiled formats (a request's JSON body, Dynamo's /query body) are
+tested in test_surface.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import struct
@@ -402,13 +403,10 @@ ANY_INTS = st.lists(st.integers(-(2**40), 2**40), max_size=40)
 
 @given(ANY_INTS)
 @settings(max_examples=300, deadline=None)
-def test_token_readers_take_exactly_plain_uint32_arrays(toks) -> None:
+def test_token_reader_takes_exactly_plain_uint32_arrays(toks) -> None:
     ok = all(0 <= t <= 2**32 - 1 for t in toks)
     packed = struct.pack(f"<{len(toks)}I", *toks) if ok else None
     assert core.tokens_from_msgpack(msgspec.msgpack.encode(toks)) == packed
-    want = (b"{}", packed) if ok and toks else None  # an empty array: the typed decoder decides
-    assert core.split_tokens_json(msgspec.json.encode({"token_ids": toks})) == want
-    assert core.split_tokens_json(json.dumps({"token_ids": toks}, indent=1).encode()) == want
 
 
 # Mostly uint16 (how vLLM's token ids are packed: the reader takes runs of four in one
@@ -430,39 +428,12 @@ def test_token_reader_reads_uint16_runs_and_whatever_breaks_them(toks, cut) -> N
         assert core.tokens_from_msgpack(raw[:-cut]) is None
 
 
-def test_json_split_keeps_every_other_member_verbatim() -> None:
-    body = b' { "model" : "m]", "token_ids" : [ 7 , 0,4294967295 ] , "x": {"y": [1, "]\\\"", {}]}, "n": -1.5e3 } '
-    rest, toks = core.split_tokens_json(body)
-    assert toks == struct.pack("<3I", 7, 0, 2**32 - 1)
-    assert json.loads(rest) == {"model": "m]", "x": {"y": [1, ']"', {}]}, "n": -1.5e3}  # an escaped quote
-    assert core.split_tokens_json(b'{"token_ids":[1]}') == (b"{}", struct.pack("<I", 1))
-
-
-@pytest.mark.parametrize("body", [
-    b'{"token_ids": [01]}', b'{"token_ids": [1,]}', b'{"token_ids": [,1]}', b'{"token_ids": [1 2]}',
-    b'{"token_ids": [1]}x', b'{"token_ids": [1e3]}', b'{"token_ids": [1.0]}', b'{"token_ids": [-0]}',
-    b'{"token_ids": []}', b'{"token_ids": [99999999999]}', b'{"token_ids": [4294967296]}',
-    b'{"token_ids": ["1"]}', b'{"token_ids": [true]}', b'{"token_ids": [null]}', b'{"token_ids": [[1]]}',
-    b'{"token_ids": null}', b'{"token_ids": [1], "token_ids": [2]}', b'{"token\\u005fids": [1]}',
-    b'{"model": "m"}', b'{"model": "m" "x", "token_ids": [1]}', b'{"model": "m",, "token_ids": [1]}',
-    b'{"model": "m", "token_ids": [1],}', b'{"token_ids": [1]', b"[1, 2]", b"", b"{", b'{"a": [1}, "token_ids": [1]',
-    b'{"a": "unterminated, "token_ids": [1]}',
-])
-def test_json_split_declines_what_is_not_a_plain_body(body) -> None:
-    assert core.split_tokens_json(body) is None
-
-
 @given(st.binary(max_size=300))
 @settings(max_examples=1000, deadline=None)
-def test_token_readers_survive_any_bytes(raw) -> None:
-    """Whatever a publisher or a client sends reaches these readers: never a crash."""
+def test_token_reader_survives_any_bytes(raw) -> None:
+    """Whatever a publisher sends reaches this reader: never a crash."""
     b = core.tokens_from_msgpack(raw)
     assert b is None or (isinstance(b, bytes) and len(b) % 4 == 0)
-    split = core.split_tokens_json(raw)
-    assert split is None or (len(split[1]) % 4 == 0 and split[0][:1] == b"{" and split[0][-1:] == b"}")
-    for text in (b'{"token_ids": [' + raw + b"]}", b'{"token_ids": [1], "m": ' + raw + b"}"):
-        split = core.split_tokens_json(text)
-        assert split is None or len(split[1]) % 4 == 0
 
 
 def test_malformed_trees_raise_instead_of_crashing() -> None:
@@ -484,54 +455,6 @@ def test_malformed_trees_raise_instead_of_crashing() -> None:
         core.answers([(1, 1)], [("e", 0, "not fresh", 0)], "0", 16, 1.0, 0.5, 0.0, tuple)
 
 
-BODIES = [
-    b'{"token_ids": [1, 2, 3]}',
-    b'{"model": "m", "token_ids": [5], "model": "n"}',
-    b'{"token_ids": [1], "load": {"e/0": {"active_prefill_tokens": 3}}, "candidates": ["e/0"]}',
-    b'{"token_ids": [1], "load": {"e/0": {"active_prefill_tokens": -3}}}',
-    b'{"token_ids": [1], "model": null}',
-    b'{"token_ids": [1, 2, 3], "model": "m", "lora_name": "l", "cache_salt": "s"}',
-    b'{"model": "m", "token_ids": [4294967295, 0]}',
-    b'{"token_ids": [1.0, 2]}',  # integral floats: the typed decoder reads them
-    b'{"token_ids": []}',
-    b'{"token_ids": [-1]}',
-    b'{"token_ids": [4294967296]}',
-    b'{"token_ids": [1], "model": ""}',
-    b'{"token_ids": [1], "unknown": 1}',
-    b'{"token_ids": "abc"}',
-    b'{"token_ids": [1]',
-    b"[]",
-]
-
-
-@pytest.mark.parametrize("body", BODIES)
-@pytest.mark.parametrize("rtype", ["MatchRequest", "RouteRequest", "DynQuery"])
-def test_request_decoder_c_path_equals_typed_decode(body, rtype) -> None:
-    from api import schemas
-    from api.jsonroutes import JsonRoute as _Route, decode as _decode
-
-    async def handler(q):  # pragma: no cover - never called
-        return 200, {}
-
-    cls = schemas.REQUEST_TYPES[rtype]
-    if rtype == "DynQuery":
-        body = body.replace(b"{", b'{"model_name": "m", ', 1) if body.startswith(b"{") else body
-    fast = _Route("/x", cls, handler, True, "detail")
-    typed = _Route("/x", cls, handler, True, "detail")
-    typed.rest_decoder = None
-
-    def outcome(route):
-        try:
-            q = _decode(route, body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            return type(e).__name__, str(e)
-        t = q.token_ids
-        toks = list(struct.unpack(f"<{len(t) // 4}I", t)) if t.__class__ is bytes else list(t)
-        return {f: getattr(q, f) for f in cls.__struct_fields__ if f != "token_ids"}, toks
-
-    assert outcome(fast) == outcome(typed)
-
-
 def test_pure_python_build_passes_the_index_tests() -> None:
     """The fallback (no compiled core) is a supported build: it runs the same tests."""
     env = dict(os.environ, KVI_PURE_PYTHON="1", KVI_FUZZ_EXAMPLES="20")
@@ -544,39 +467,3 @@ def test_pure_python_build_passes_the_index_tests() -> None:
                        env=env, capture_output=True, text=True, cwd=ROOT / "tests" / "unit", timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert " passed" in r.stdout
-
-
-_EID = st.text(st.characters(blacklist_categories=("Cs",)), max_size=6)
-_TIER = st.sampled_from(["GPU", "CPU", "STORAGE", "DISK"])
-
-
-@given(
-    st.lists(st.tuples(_EID, st.integers(0, 300)), unique=True, max_size=40),
-    st.data(),
-    st.sampled_from([0, 1, 16, 64]),
-)
-@settings(max_examples=300, deadline=None)
-def test_R_Q_2_dynamo_answer_is_the_documents_bytes(workers, data, bs) -> None:
-    """The compiled /query body equals msgspec's encoding of api.dynamo's document: the
-    per-engine merge over dp ranks, the scores' order, the cpu rule, string escapes."""
-    from types import SimpleNamespace
-
-    from api.common import ENC
-    from api.dynamo import Dynamo
-
-    rows = []
-    for eid, dp in workers:
-        total = data.draw(st.integers(0, 5000))
-        items = tuple((name, data.draw(st.integers(0, total)))
-                      for name in data.draw(st.lists(_TIER, unique=True, max_size=3)))
-        rows.append((-total * 1.5, -total, eid, dp, items, (), total * bs, (False, None), 0.0))
-    res = SimpleNamespace(workers=rows, block_size=bs or None)
-    assert core.dynamo_answer(rows, bs) == ENC.encode(Dynamo.answer_doc(res))
-
-
-def test_dynamo_answer_refuses_what_is_not_a_match() -> None:
-    with pytest.raises(TypeError):
-        core.dynamo_answer([("not", "a", "match")], 16)
-    with pytest.raises(TypeError):
-        core.dynamo_answer([(0, -1, "e", 0, "GPU")], 16)
-    assert core.dynamo_answer([], 16) == b'{"scores":{},"frequencies":[],"instances":{}}'

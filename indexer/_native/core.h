@@ -1,0 +1,315 @@
+/* core.h: what the files of indexer._native._core share. The storage structs
+ * (U64Map, Node and its Side), the module's objects and type objects, the byte-order
+ * and hash-table helpers the hot loops call per block (static inline here, so a loop
+ * in one file pays no call for a helper kept in another), and the prototypes of the
+ * functions one file calls in another, all named kvi_*.
+ *
+ * Every name that crosses files is hidden (KVI_HIDDEN): the extension exports
+ * PyInit__core only, and a call or a read between its files is a direct one, not
+ * one through the PLT or the GOT as for a symbol another library could interpose.
+ *
+ * Which file holds what:
+ *   u64map.c    U64Map, the open-addressing table of (uint64, object) slots
+ *   node.c      Node, one block of a tree, and its Side
+ *   tree.c      the GPU loops over a tree: insert_gpu, insert_gpu_raw, walk, remove_gpu
+ *   keys.c      block_keys (xxh3-64 of each block of tokens) and that hash
+ *   events.c    vLLM's msgpack events: tokens_from_msgpack, scan_gpu_batch
+ *   snapshot.c  a snapshot's columns: NodeIndex, dump_*, node_index, translate, load_*
+ *   answers.c   the ranked answers of a GPU-only match
+ *   _core.c     the module: its method tables, types and objects put together
+ */
+#ifndef KVI_CORE_H
+#define KVI_CORE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__GNUC__) || defined(__clang__)
+#define KVI_HIDDEN __attribute__((visibility("hidden")))
+#else
+#define KVI_HIDDEN
+#endif
+
+/* ------------------------------------------------------------------ U64Map */
+
+typedef struct {
+    uint64_t key;
+    PyObject *val; /* NULL: empty slot */
+} Slot;
+
+typedef struct {
+    PyObject_HEAD
+    Slot *slots;     /* NULL while cap == 0 */
+    Py_ssize_t cap;  /* a power of two, or 0 */
+    Py_ssize_t used; /* slots in use */
+    PyObject *other; /* dict of keys that are not ints in [0, 2**64), or NULL */
+} U64Map;
+
+/* The module's types (u64map.c, node.c, snapshot.c). */
+extern KVI_HIDDEN PyTypeObject kvi_U64MapType;
+extern KVI_HIDDEN PyTypeObject kvi_NodeType;
+extern KVI_HIDDEN PyTypeObject kvi_NodeIndexType;
+
+/* Made by the module's init (_core.c), one reference held there. */
+extern KVI_HIDDEN PyObject *kvi_DEAD;     /* the sentinel parent of freed nodes; module attribute DEAD */
+extern KVI_HIDDEN PyObject *kvi_ZERO;     /* 0, a new node's GPU mask */
+extern KVI_HIDDEN PyObject *kvi_GPU_NAME; /* "GPU", interned */
+
+/* Keys are hashes already, but tests and some engines send small ints: mix. */
+static inline uint64_t
+mix64(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    x ^= x >> 33;
+    return x;
+}
+
+/* Byte orders on the wire: msgpack is big-endian, our packed columns little-endian. */
+static inline void
+put_le32(unsigned char *o, uint32_t v)
+{
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    memcpy(o, &v, 4); /* one store */
+#else
+    o[0] = (unsigned char)v;
+    o[1] = (unsigned char)(v >> 8);
+    o[2] = (unsigned char)(v >> 16);
+    o[3] = (unsigned char)(v >> 24);
+#endif
+}
+
+static inline uint64_t
+be(const unsigned char *p, int n)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < n; i++)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+static inline void
+put_le64(unsigned char *o, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        o[i] = (unsigned char)(v >> (8 * i));
+}
+
+static inline uint32_t
+get_le32(const unsigned char *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static inline uint64_t
+get_le64(const unsigned char *p)
+{
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+/* 1: *out holds the key; 0: not an int in [0, 2**64) (use the dict); -1: error. */
+static inline int
+as_u64(PyObject *k, uint64_t *out)
+{
+    if (!PyLong_Check(k))
+        return 0;
+    unsigned long long v = PyLong_AsUnsignedLongLong(k);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            return 0;
+        }
+        return -1;
+    }
+    *out = (uint64_t)v;
+    return 1;
+}
+
+static inline Py_ssize_t
+map_find(U64Map *m, uint64_t k)
+{
+    if (m->cap == 0)
+        return -1;
+    size_t mask = (size_t)m->cap - 1;
+    size_t i = (size_t)mix64(k) & mask;
+    for (;;) {
+        Slot *s = &m->slots[i];
+        if (s->val == NULL)
+            return -1;
+        if (s->key == k)
+            return (Py_ssize_t)i;
+        i = (i + 1) & mask;
+    }
+}
+
+/* Borrowed value for key, NULL when absent (*err set on a real error). */
+static inline PyObject *
+map_lookup(U64Map *m, PyObject *key, int *err)
+{
+    uint64_t k;
+    int r = as_u64(key, &k);
+    *err = 0;
+    if (r > 0) {
+        Py_ssize_t i = map_find(m, k);
+        return i < 0 ? NULL : m->slots[i].val;
+    }
+    if (r < 0) {
+        *err = 1;
+        return NULL;
+    }
+    if (m->other == NULL)
+        return NULL;
+    PyObject *v = PyDict_GetItemWithError(m->other, key);
+    if (v == NULL && PyErr_Occurred())
+        *err = 1;
+    return v;
+}
+
+/* A new, empty map (a node's children once it branches). */
+static inline U64Map *
+map_new(void)
+{
+    U64Map *m = PyObject_New(U64Map, &kvi_U64MapType);
+    if (m == NULL)
+        return NULL;
+    m->slots = NULL;
+    m->cap = 0;
+    m->used = 0;
+    m->other = NULL;
+    return m;
+}
+
+/* keys.c: the block key's hash, xxh3-64 with a seed (the xxhash wheel's XXH3_64bits_withSeed). */
+KVI_HIDDEN uint64_t kvi_xxh3_64(const void *data, size_t len, uint64_t seed);
+
+/* u64map.c. kvi_map_put stores (k, v) taking a new reference and replaces an existing
+ * value; kvi_map_take removes slot i and returns its value (the caller owns it);
+ * kvi_map_store and kvi_map_pop take any key (a non-u64 one goes to the side dict);
+ * kvi_map_pop returns a new reference, NULL with KeyError set when absent. */
+KVI_HIDDEN int kvi_map_resize(U64Map *m, Py_ssize_t newcap);
+KVI_HIDDEN int kvi_map_put(U64Map *m, uint64_t k, PyObject *v);
+KVI_HIDDEN PyObject *kvi_map_take(U64Map *m, size_t i);
+KVI_HIDDEN int kvi_map_store(U64Map *m, PyObject *key, PyObject *v);
+KVI_HIDDEN PyObject *kvi_map_pop(U64Map *m, PyObject *key);
+
+/* -------------------------------------------------------------------- Node */
+
+/* A node is 48 bytes: CPython's allocator hands out 16-byte size classes, so the
+ * fields that matter on every block (header, key, parent, kids, GPU mask) fill
+ * one class exactly, and a sixth pointer would cost 16 bytes, not 8, on every
+ * node. `tiers` and `dup` are None on almost every node (only CPU-tier blocks
+ * and repeated announcements set them), so they move to a Side, made when one
+ * of them is set and freed when both are None again. `gs` is the GPU mask
+ * itself while there is no Side, else the Side's address with its low bit set
+ * (objects and PyMem blocks are at least 8-byte aligned, so a real object
+ * pointer never has it): the hot loops read the mask with one test of that bit
+ * and no extra load. A node with a Side costs 48 + 32 bytes (24 rounded to the
+ * 32-byte class), 16 more than the old 64-byte node. */
+typedef struct {
+    PyObject *gpu;   /* int: bit mask of the workers holding the block on GPU */
+    PyObject *tiers; /* None or {tid: mask} for the other tiers (tree.py) */
+    PyObject *dup;   /* None or {(wid << 5) | tid: extra announcements} */
+} Side;
+
+typedef struct {
+    PyObject_HEAD
+    uint64_t key; /* the block key; 0 for the root and DEAD (their key is never read) */
+    PyObject *parent;
+    PyObject *kids; /* None, one Node, or a U64Map key -> Node */
+    PyObject *gs;   /* the GPU mask, or (Side *) | 1: read it through node_gpu */
+} Node;
+
+#define HAS_SIDE(n) (((uintptr_t)(n)->gs) & 1)
+#define SIDE(n) ((Side *)((uintptr_t)(n)->gs & ~(uintptr_t)1))
+
+#define NODE_SET(field, v) do { PyObject *_o = (field); Py_INCREF(v); (field) = (v); Py_DECREF(_o); } while (0)
+
+/* The GPU mask (borrowed). */
+static inline PyObject *
+node_gpu(Node *n)
+{
+    return __builtin_expect(HAS_SIDE(n), 0) ? SIDE(n)->gpu : n->gs;
+}
+
+/* tiers and dup (borrowed): None without a Side. */
+static inline PyObject *
+node_tiers(Node *n)
+{
+    return HAS_SIDE(n) ? SIDE(n)->tiers : Py_None;
+}
+
+static inline PyObject *
+node_dup(Node *n)
+{
+    return HAS_SIDE(n) ? SIDE(n)->dup : Py_None;
+}
+
+/* Set the GPU mask to v (borrowed). */
+static inline void
+node_set_gpu(Node *n, PyObject *v)
+{
+    PyObject **slot = __builtin_expect(HAS_SIDE(n), 0) ? &SIDE(n)->gpu : &n->gs;
+    PyObject *old = *slot;
+    Py_INCREF(v);
+    *slot = v;
+    Py_DECREF(old); /* last: the node is whole if this runs a finalizer */
+}
+
+/* node.c: set tiers (dup: dup) to v (borrowed), making or freeing the Side. */
+KVI_HIDDEN int kvi_node_set_side(Node *n, int dup, PyObject *v);
+
+#define node_set_tiers(n, v) kvi_node_set_side((n), 0, (v))
+#define node_set_dup(n, v) kvi_node_set_side((n), 1, (v))
+
+/* A new leaf under `parent` with GPU mask `gpu` (both borrowed). */
+static inline Node *
+node_make(uint64_t key, PyObject *parent, PyObject *gpu)
+{
+    Node *n = PyObject_New(Node, &kvi_NodeType);
+    if (n == NULL)
+        return NULL;
+    n->key = key;
+    Py_INCREF(parent);
+    n->parent = parent;
+    Py_INCREF(Py_None);
+    n->kids = Py_None;
+    Py_INCREF(gpu);
+    n->gs = gpu;
+    return n;
+}
+
+#define IS_NODE(o) (Py_TYPE(o) == &kvi_NodeType)
+#define IS_MAP(o) (Py_TYPE(o) == &kvi_U64MapType)
+
+/* The child of `parent` keyed k (borrowed), or NULL. Only nodes count as
+ * children: whatever else a map might hold is never treated as one. */
+static inline PyObject *
+child_of(Node *parent, uint64_t k)
+{
+    PyObject *kids = parent->kids;
+    if (IS_NODE(kids))
+        return ((Node *)kids)->key == k ? kids : NULL;
+    if (IS_MAP(kids)) {
+        Py_ssize_t i = map_find((U64Map *)kids, k);
+        PyObject *v = i < 0 ? NULL : ((U64Map *)kids)->slots[i].val;
+        return v != NULL && IS_NODE(v) ? v : NULL;
+    }
+    return NULL;
+}
+
+/* The functions each file adds to the module (_core.c puts them in). */
+extern KVI_HIDDEN PyMethodDef kvi_tree_methods[];
+extern KVI_HIDDEN PyMethodDef kvi_keys_methods[];
+extern KVI_HIDDEN PyMethodDef kvi_events_methods[];
+extern KVI_HIDDEN PyMethodDef kvi_snapshot_methods[];
+extern KVI_HIDDEN PyMethodDef kvi_answers_methods[];
+
+#endif /* KVI_CORE_H */
