@@ -18,8 +18,8 @@ from api import openapi, schemas
 from api.common import ENC, JSON, HTTPError, u64_keys
 from api.jsonroutes import JsonRoute, JsonRouter, answer, service_of
 from api.metrics import Metrics
-from api.surface import split_json_tokens
 from api.settings import Settings
+from api.surface import split_json_tokens
 from api.text import Texts
 from api.ui import Decisions
 from indexer import PrefixIndex
@@ -27,7 +27,6 @@ from indexer.ingest.base import Ingest
 from indexer.query.explain import explain
 from indexer.query.index import ModelRequiredError
 from indexer.query.route import Load
-
 
 
 class Queries:
