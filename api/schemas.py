@@ -38,7 +38,7 @@ class _Req(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     pass
 
 
-# --- Text prompts (issue 18, R-TXT-3): a request carries exactly one of token_ids,
+# --- Text prompts (R-TXT-3): a request carries exactly one of token_ids,
 # prompt and messages; the text ones are tokenized with the model's tokenizer (api/text.py).
 TEXT_FIELDS = ("prompt", "messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 TEXT_PART_TYPES = ("text",)

@@ -1,4 +1,4 @@
-"""Text prompts in the HTTP API (issue 18): ``prompt`` and ``messages`` in ``/v1/match`` and
+"""Text prompts in the HTTP API: ``prompt`` and ``messages`` in ``/v1/match`` and
 ``/v1/route``, and ``POST /v1/tokenize``.
 
 Each configured model's tokenizer (setting ``tokenizers: {MODEL: DIR}``) is loaded once,

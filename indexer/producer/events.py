@@ -2,7 +2,7 @@
 
 These classes copy ``vllm/distributed/kv_events.py`` field for field, with the
 same msgspec options, so :func:`encode_batch` yields the bytes vLLM publishes
-(checked byte for byte against ``shared/data/vllm-golden``):
+(checked byte for byte against the golden payloads in ``tests/data/vllm-golden``):
 
 * ``version="0.23"``: events as positional arrays (``array_like``);
 * ``version="0.24"`` and ``"0.33"``: events as maps tagged by ``"type"``

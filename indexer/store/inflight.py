@@ -1,4 +1,4 @@
-"""What the index routed and has not seen announced yet (issue 13): predicted prefixes
+"""What the index routed and has not seen announced yet: predicted prefixes
 and in-flight load, per worker.
 
 vLLM announces a request's blocks when its prefill ends, so between a routing decision

@@ -1,6 +1,6 @@
 """Decoding of vLLM KV-event batch payloads (frame 3 of a live ZMQ message).
 
-Wire facts (see ``shared/reference/vllm-kv-events.md`` §1):
+Wire facts (vLLM's ``vllm/distributed/kv_events.py``, the publisher's side):
 
 * The batch is always a 3-element msgpack array ``[ts, events, data_parallel_rank]``.
 * vLLM <= 0.23 encodes each event as a positional array whose first element is the

@@ -731,7 +731,7 @@ def test_deploy_doc_names_the_vllm_flags_and_alerts(doc):
     for needle in ("--kv-events-config", "enable_kv_cache_events", '"publisher"', '"endpoint"', "replay_endpoint",
                    "self_describing_kv_events", "kvi_stale_workers", "kvi_replays_total", "kvi_payloads_dropped_total",
                    "bytes per resident", "helm install",
-                   # Security and readiness (issue 15): what an operator greps for.
+                   # Security and readiness: what an operator greps for.
                    "## 7. Security", "### Readiness", "KVI_API_TOKEN_FILE", "KVI_API_TOKEN`", "auth.existingSecret",
                    "rollout restart", "WWW-Authenticate: Bearer", "401", "403", "auth_reads", "/metrics",
                    "allowed_endpoints", "*.vllm.svc.cluster.local", "10.0.0.0/8", "before any socket",

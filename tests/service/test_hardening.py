@@ -1,4 +1,4 @@
-"""Issue 15, hardening, end to end on real ``kv-indexer serve`` processes: the API token
+"""Hardening, end to end on real ``kv-indexer serve`` processes: the API token
 (R-SEC-1), the endpoint policy checked before any connect (R-SEC-2), engine ids and
 worker names (R-SEC-3), readiness and per-worker health (R-OPS-1), never-connected
 workers in routing (R-Q-3), and Dynamo's shapes on the edges (405, ``/workers``)."""

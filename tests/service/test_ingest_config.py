@@ -91,7 +91,7 @@ def test_R_BAD_3_max_workers_bounds_subscriptions():
     assert len(ix.workers()) == 4
 
 
-# ------------------------------------------------ issue 15: ids, worker names, policy
+# --------------------------------------------- hardening: ids, worker names, policy
 
 # Unicode digits (superscripts, Arabic-Indic, fullwidth) and control characters: what
 # str.isdigit() and a careless split let through.

@@ -1,4 +1,4 @@
-"""Issue 13 over HTTP, on a real ``kv-indexer serve`` and real vLLM-wire publishers: a route
+"""Routing under real timing over HTTP, on a real ``kv-indexer serve`` and real vLLM-wire publishers: a route
 records its decision (R-Q-6, R-Q-7); the prediction shows apart in /v1/match and ends when
 the engine announces the blocks; in-flight load in /v1/workers and /metrics; the done
 route; a dry run; bad input."""

@@ -265,7 +265,7 @@ BAD = [
     ("engine bad port", "/v1/engines", b'{"id": "x", "endpoint": "tcp://h:70000"}', 422),
     ("engine dp_size 0", "/v1/engines", b'{"id": "x", "endpoint": "tcp://h:1", "dp_size": 0}', 422),
     ("engine empty id", "/v1/engines", b'{"id": "", "endpoint": "tcp://h:1"}', 422),
-    # Issue 15: what once got a 500, was read wrongly, or was accepted and never deletable.
+    # Hardening: what once got a 500, was read wrongly, or was accepted and never deletable.
     ("candidate rank superscript", "/v1/route",
      '{"token_ids": [1], "model": "m1", "candidates": ["bad-input/³"]}'.encode(), 422),
     ("candidate rank arabic digit", "/v1/route",

@@ -1,4 +1,4 @@
-"""Issue 13 part 3: an engine's own queue (vLLM's Prometheus /metrics, scraped from a
+"""Routing with the engines' own load: an engine's own queue (vLLM's Prometheus /metrics, scraped from a
 real local HTTP server) corrects the index's in-flight estimate (R-Q-7): requests the
 engine no longer has end, and requests other routers sent count as load."""
 

@@ -1,4 +1,4 @@
-"""Issue 13 in the library: routing decisions recorded as predicted prefixes and
+"""Routing under real timing, in the library: routing decisions recorded as predicted prefixes and
 in-flight load (R-Q-6, R-Q-7), ended by announcement, TTL, completion or the worker's
 removal, restart or clear; bounded; and an independent model of the predictions."""
 
