@@ -15,21 +15,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bytes.h" /* indexer/_native/, on this extension's include path */
+
 static PyObject *GPU_NAME; /* "GPU", interned: the core's tier name is this same object */
 
-/* The token columns are little-endian uint32, as the core's block_keys reads them. */
-static inline void
-put_le32(unsigned char *o, uint32_t v)
-{
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-    memcpy(o, &v, 4); /* one store */
-#else
-    o[0] = (unsigned char)v;
-    o[1] = (unsigned char)(v >> 8);
-    o[2] = (unsigned char)(v >> 16);
-    o[3] = (unsigned char)(v >> 24);
-#endif
-}
 
 /* ------------------------------------------------------- a request's token_ids */
 
@@ -232,29 +221,7 @@ done:
 
 /* ------------------------------------------------------- Dynamo's /query body */
 
-/* A growable byte buffer. */
-typedef struct {
-    unsigned char *buf;
-    size_t len, cap;
-} Col;
-
-static inline int
-col_room(Col *c, size_t more)
-{
-    if (c->len + more <= c->cap)
-        return 0;
-    size_t nc = c->cap ? c->cap : 4096;
-    while (nc < c->len + more)
-        nc *= 2;
-    unsigned char *nb = PyMem_Realloc(c->buf, nc);
-    if (nb == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    c->buf = nb;
-    c->cap = nc;
-    return 0;
-}
+/* Col and col_room (a growable byte buffer), and put_le32: the core's bytes.h. */
 
 static int
 col_put(Col *c, const char *s, size_t n)

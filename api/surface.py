@@ -9,17 +9,13 @@ every pure path at once.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-_surface: ModuleType | None = None
-if os.environ.get("KVI_PURE_PYTHON", "") in ("", "0"):
-    try:
-        from api import _surface
-    except ImportError:  # pragma: no cover - an install without a C compiler
-        _surface = None
+from indexer._native import compiled
+
+_surface: ModuleType | None = compiled("api._surface")
 
 COMPILED = _surface is not None
 

@@ -7,16 +7,24 @@ pure-Python twins, the reference the tests hold the compiled core to.
 
 from __future__ import annotations
 
+import importlib
 import os
 from types import ModuleType
 
-core: ModuleType | None = None
-if os.environ.get("KVI_PURE_PYTHON", "") in ("", "0"):
-    try:
-        from indexer._native import _core as core
-    except ImportError:  # pragma: no cover - an install without a C compiler
-        core = None
 
+def compiled(name: str) -> ModuleType | None:
+    """The compiled module ``name`` (``"indexer._native._core"``, ``"api._surface"``), or
+    None when it is not built (an install without a C compiler) or ``KVI_PURE_PYTHON=1``
+    asks for the pure-Python paths: one switch for every compiled module of the project."""
+    if os.environ.get("KVI_PURE_PYTHON", "") not in ("", "0"):
+        return None
+    try:
+        return importlib.import_module(name)
+    except ImportError:  # pragma: no cover - an install without a C compiler
+        return None
+
+
+core: ModuleType | None = compiled("indexer._native._core")
 COMPILED = core is not None
 
 

@@ -27,6 +27,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bytes.h"
+
 #if defined(__GNUC__) || defined(__clang__)
 #define KVI_HIDDEN __attribute__((visibility("hidden")))
 #else
@@ -70,19 +72,8 @@ mix64(uint64_t x)
     return x;
 }
 
-/* Byte orders on the wire: msgpack is big-endian, our packed columns little-endian. */
-static inline void
-put_le32(unsigned char *o, uint32_t v)
-{
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-    memcpy(o, &v, 4); /* one store */
-#else
-    o[0] = (unsigned char)v;
-    o[1] = (unsigned char)(v >> 8);
-    o[2] = (unsigned char)(v >> 16);
-    o[3] = (unsigned char)(v >> 24);
-#endif
-}
+/* Byte orders on the wire: msgpack is big-endian (be() below), our packed columns
+ * little-endian (put_le32, in bytes.h). */
 
 static inline uint64_t
 be(const unsigned char *p, int n)

@@ -255,29 +255,7 @@ push_kids(Stack *s, Node *n, uint32_t idx)
     return 0;
 }
 
-/* A growable byte column. */
-typedef struct {
-    unsigned char *buf;
-    size_t len, cap;
-} Col;
-
-static inline int
-col_room(Col *c, size_t more)
-{
-    if (c->len + more <= c->cap)
-        return 0;
-    size_t nc = c->cap ? c->cap : 4096;
-    while (nc < c->len + more)
-        nc *= 2;
-    unsigned char *nb = PyMem_Realloc(c->buf, nc);
-    if (nb == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    c->buf = nb;
-    c->cap = nc;
-    return 0;
-}
+/* Col and col_room (a growable byte column): bytes.h. */
 
 PyDoc_STRVAR(dump_tree_doc,
 "dump_tree(root) -> (parents, keys, mask_ids, masks, extra, addrs)\n\n"

@@ -722,7 +722,6 @@ def test_the_image_install_step_works_in_a_fresh_venv_and_the_entry_point_starts
     finally:
         proc.terminate()
         proc.wait(10)
-        proc.stdout.close()
 
 
 @pytest.mark.parametrize("doc", ["deploy.md"])

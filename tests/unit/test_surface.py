@@ -30,10 +30,12 @@ if os.environ.get("KVI_PURE_PYTHON", "") not in ("", "0"):
 def test_the_compiled_formats_are_built_and_used() -> None:
     """The install builds api._surface (a missing compiler only warns: this catches that),
     and the service's doors call it."""
-    from api import app, dynamo, surface
+    from api import dynamo, jsonroutes, surface
+    from api.routes import query
 
     assert surface.COMPILED
-    assert app.split_json_tokens.__module__ == "api._surface"
+    assert jsonroutes.split_json_tokens.__module__ == "api._surface"
+    assert query.split_json_tokens.__module__ == "api._surface"
     assert dynamo._dynamo_answer is not None and dynamo._dynamo_answer.__module__ == "api._surface"
 
 
