@@ -220,7 +220,7 @@ class JetStreamIngest(BucketSnapshots, Background, Queries):
         Returns ``"applied"``, ``"duplicate"`` or ``"dropped"`` (did not decode).
         """
         ix = self.index
-        w = ix._workers.get((engine, rank))  # read on the one thread that writes
+        w = ix.worker_state(engine, rank)  # read on the one thread that writes
         known = w is not None and w.model == model
         last = w.last_seq if known and w is not None else None
         last_ts = w.last_ts if known and w is not None else None

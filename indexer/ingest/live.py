@@ -192,7 +192,7 @@ class Indexer(ZmqTransport, Background, Queries):
         self.error: str | None = None  # set if the ingest thread died (see ``running``)
         self.endpoint_policy = endpoint_policy
         # Engines' own load (vLLM /metrics), for those configured with a metrics_url.
-        self.scraper = MetricsScraper(self._engine_load, interval_s=metrics_interval_s, clock=self.index._clock)
+        self.scraper = MetricsScraper(self._engine_load, interval_s=metrics_interval_s, clock=self.index.now)
         # Engine registrations and removals done, by (op, via): "register"/"unregister" x
         # who asked ("config", "api", "dynamo", "discovery", "library").
         self.changes: dict[tuple[str, str], int] = {}
@@ -333,7 +333,7 @@ class Indexer(ZmqTransport, Background, Queries):
             el = self.engine_loads.get(key)
             w["engine_load"] = None if el is None else {
                 "waiting": el.waiting, "running": el.running, "kv_usage": el.kv_usage,
-                "age_s": round(self.index._clock() - el.t, 3)}
+                "age_s": round(self.index.now() - el.t, 3)}
             out.append(w)
         return out
 

@@ -423,6 +423,11 @@ class IndexState:
         """Every worker, in registration order; under :attr:`lock`."""
         return self._workers.values()
 
+    def worker_state(self, engine: str, dp_rank: int = 0) -> WorkerState | None:
+        """One worker, or None when unknown; under :attr:`lock`, or on the one thread that
+        applies batches (a replica's)."""
+        return self._workers.get((engine, dp_rank))
+
     def orphan_entries(self) -> Iterator[tuple[float, WorkerGroup, Hash, tuple[StoredEvent, int]]]:
         """``(buffered at, worker group, missing parent hash, (store, tier id))`` of every
         orphan still buffered, oldest first; under :attr:`lock`."""
