@@ -133,6 +133,27 @@ worker_name(PyObject *engine, PyObject *rank, long long r)
     return s;
 }
 
+/* A float of value v (bit for bit): *last when it is one, else a new one kept in *last.
+ * Floats are immutable and a fleet's scores and costs repeat (every worker holding the
+ * same prefix, idle): the entries share them. A new reference; NULL on error. */
+static PyObject *
+same_float(double v, PyObject **last)
+{
+    if (*last != NULL) {
+        double w = PyFloat_AS_DOUBLE(*last);
+        if (memcmp(&v, &w, sizeof v) == 0) {
+            Py_INCREF(*last);
+            return *last;
+        }
+    }
+    PyObject *f = PyFloat_FromDouble(v);
+    if (f != NULL) {
+        Py_XSETREF(*last, f);
+        Py_INCREF(f);
+    }
+    return f;
+}
+
 /* Item i of a sequence (a tuple without a call): a new reference, NULL on error. */
 static PyObject *
 item(PyObject *seq, Py_ssize_t i)
@@ -271,6 +292,9 @@ rank(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
      * are set (borrowed) per candidate, not one made and freed per candidate. Only
      * looked up with, never stored: its items are cleared before it is released. */
     PyObject *out = NULL, *key = PyTuple_New(2);
+    /* Shared by the entries (immutable): the last score and cost made, and the struct
+     * path's load of an idle worker (frozen; a dict could be changed, so each has its own). */
+    PyObject *last_score = NULL, *last_cost = NULL, *idle_ld = NULL;
     size_t cap = 8;
     while (cap < 2 * (size_t)nw)
         cap <<= 1;
@@ -325,7 +349,7 @@ rank(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
         /* Everything made below is released at `next`; `entry` is kept in cs[k]. */
         PyTuple_SET_ITEM(key, 0, engine);
         PyTuple_SET_ITEM(key, 1, rk);
-        PyObject *name = NULL, *ld0 = NULL, *ld1 = NULL, *src = idle;
+        PyObject *name = NULL, *ld0 = NULL, *ld1 = NULL, *src = idle; /* ld0 NULL: idle so far */
         PyObject *conn = NULL, *score_o = NULL, *cost_o = NULL, *cached = NULL, *ld_o = NULL, *entry = NULL;
         PyObject *pb = kvi_ZERO, *wm = NULL;
         double score = 0.0, d;
@@ -436,12 +460,22 @@ rank(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
             cached = kvi_ZERO;
             Py_INCREF(cached);
         }
-        if ((score_o = PyFloat_FromDouble(score + 0.0)) == NULL || (cost_o = PyFloat_FromDouble(cost)) == NULL)
+        if ((score_o = same_float(score + 0.0, &last_score)) == NULL || (cost_o = same_float(cost, &last_cost)) == NULL)
             goto fail;
         {
             PyObject *lvals[N_LOAD] = {ld0, ld1, src};
-            ld_o = load_cls != NULL ? PyObject_Vectorcall(load_cls, lvals, N_LOAD, NULL)
-                                    : filled(load_tpl, load_keys, lvals, N_LOAD);
+            int is_idle = src == idle && ld0 == kvi_ZERO && ld1 == kvi_ZERO; /* set just above */
+            if (load_cls != NULL && is_idle && idle_ld != NULL) {
+                ld_o = idle_ld;
+                Py_INCREF(ld_o);
+            } else {
+                ld_o = load_cls != NULL ? PyObject_Vectorcall(load_cls, lvals, N_LOAD, NULL)
+                                        : filled(load_tpl, load_keys, lvals, N_LOAD);
+                if (ld_o != NULL && load_cls != NULL && is_idle) {
+                    idle_ld = ld_o;
+                    Py_INCREF(idle_ld);
+                }
+            }
             if (ld_o == NULL)
                 goto fail;
             PyObject *vals[N_ENTRY] = {name, engine, rk, score_o, cached, pb, cost_o, st, conn, ld_o};
@@ -494,6 +528,9 @@ done:
     }
     Py_XDECREF(out);
     PyMem_Free(wms.slots);
+    Py_XDECREF(last_score);
+    Py_XDECREF(last_cost);
+    Py_XDECREF(idle_ld);
     if (key != NULL) {
         PyTuple_SET_ITEM(key, 0, NULL); /* borrowed: not released with the tuple */
         PyTuple_SET_ITEM(key, 1, NULL);
