@@ -9,6 +9,7 @@ import msgspec
 from msgspec import Meta
 
 from indexer.query.answers import BestOut, MatchResponse, WorkerMatchOut  # noqa: F401  (response schema)
+from indexer.query.route import LoadOut, RankedOut, RouteResponse  # noqa: F401  (response schema)
 
 TokenId = Annotated[int, Meta(ge=0, le=2**32 - 1, description="a token id (uint32)")]
 # msgspec bounds stop at int64, so the u64 top is checked by the handler (check_keys).
@@ -204,53 +205,11 @@ class DynQueryByHash(_DynReq, frozen=True):
 
 
 # --- Response shapes (documentation; the handlers build them from the index).
-# The match body's structs are the ones indexer.query.answers encodes the answer with
-# (MatchResult.body), imported, not repeated: the schema is msgspec's, not pydantic's
+# The match and route bodies' structs are the ones the index writes its answers with
+# (indexer.query.answers: MatchResult.body; indexer.query.route: Query.route_response),
+# imported, not repeated: the schema is msgspec's, not pydantic's
 # (api/app.py merges msgspec.json.schema_components into FastAPI's document), so the
 # encoding classes serve as they are.
-
-
-class LoadOut(msgspec.Struct):
-    """The load a worker was weighed with: the caller's (``caller``), the index's own
-    in-flight estimate (``index``), or none."""
-
-    prefill_tokens: int
-    decode_blocks: int
-    source: str
-
-
-class RankedOut(msgspec.Struct):
-    worker: str
-    engine: str
-    dp_rank: int
-    # Announced prefix (credit-weighted) plus predicted blocks (predicted_credit each).
-    score: float
-    # Announced blocks (GPU, then whole CPU chunks, then STORAGE).
-    cached_blocks: int
-    # Blocks routed prompts will add beyond the announced ones (not yet announced).
-    predicted_blocks: int
-    cost: float
-    stale: bool
-    # The live socket's state now; null for a candidate the index does not subscribe to.
-    connected: bool | None
-    load: LoadOut
-
-
-class RouteResponse(msgspec.Struct):
-    model: str
-    worker: str
-    engine: str
-    dp_rank: int
-    score: float
-    cost: float
-    reason: str
-    # The chosen worker's announced blocks per tier (as /v1/match's "tiers").
-    tiers: dict[str, int]
-    ranked: list[RankedOut]
-    # Keys of "load" that named no candidate (well-formed, but no such worker).
-    unused_load: list[str]
-    # Names this decision (POST /v1/route/{request_id}/done releases it); null for a dry run.
-    request_id: str | None
 
 
 class DoneOut(msgspec.Struct):

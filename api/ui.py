@@ -28,6 +28,10 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
+from indexer.query.route import RouteResponse
+
 STATIC = Path(__file__).with_name("static")
 # The page's files: path -> (file, content type). Static, holding no data: served
 # without the token (a browser cannot send one on a navigation); see api/auth.py.
@@ -55,9 +59,15 @@ class Decisions:
     def __init__(self, size: int = DECISIONS) -> None:
         self.ring: deque[tuple] = deque(maxlen=size)
 
-    def add(self, t0: float, ntok: int, out: dict) -> None:
-        """Record one answer of ``indexer.query.route.route`` (``t0``: its perf_counter time)."""
-        self.ring.append((t0, ntok, out["model"], out["reason"], out["tiers"], out["ranked"][:2], out["request_id"]))
+    def add(self, t0: float, ntok: int, out: dict | RouteResponse) -> None:
+        """Record one answer of ``indexer.query.route.route`` (``t0``: its perf_counter time):
+        the library's dict or the service's :class:`~indexer.query.route.RouteResponse`."""
+        if out.__class__ is RouteResponse:
+            r: Any = out
+            self.ring.append((t0, ntok, r.model, r.reason, r.tiers, r.ranked[:2], r.request_id))
+        else:
+            d: Any = out
+            self.ring.append((t0, ntok, d["model"], d["reason"], d["tiers"], d["ranked"][:2], d["request_id"]))
 
     def since(self, t0: float) -> list[tuple]:
         """The decisions recorded after perf_counter time ``t0``, oldest first."""
@@ -68,6 +78,7 @@ def split(d: tuple, block_size: int | None) -> dict[str, Any]:
     """One decision as the page shows it: the chosen worker, why, and its cost split in
     blocks (cached per tier, predicted, the prompt's uncached rest, queued prefill, decode)."""
     t0, ntok, model, reason, tiers, ranked, rid = d
+    ranked = [r if r.__class__ is dict else msgspec.to_builtins(r) for r in ranked]  # RankedOut: as the dict
     top = ranked[0]
     bs = block_size or 16
     cached = top["cached_blocks"]

@@ -25,6 +25,8 @@
  *   walk        the GPU walk of a query (tree.walk is its reference).  (tree.c)
  *   answers     the ranked per-worker answers of a GPU-only, one-group match
  *               (result.gpu_answers is its reference).              (answers.c)
+ *   rank        a route's ranking: each candidate's cost and answer entry, then
+ *               one sort (route._py_rank is its reference).         (ranking.c)
  *   block_keys  xxh3-64 of each block of little-endian uint32 tokens (keys.py
  *               documents the key).                                    (keys.c)
  *   dump_tree, dump_map, load_tree, load_map
@@ -70,8 +72,8 @@ PyInit__core(void)
     if (mod == NULL)
         return NULL;
     /* Each file's functions: the same names and docstrings as when one table held them. */
-    PyMethodDef *tables[] = {kvi_answers_methods, kvi_keys_methods, kvi_events_methods, kvi_tree_methods,
-                             kvi_snapshot_methods};
+    PyMethodDef *tables[] = {kvi_answers_methods, kvi_ranking_methods, kvi_keys_methods, kvi_events_methods,
+                             kvi_tree_methods, kvi_snapshot_methods};
     for (size_t i = 0; i < sizeof tables / sizeof tables[0]; i++)
         if (PyModule_AddFunctions(mod, tables[i]) < 0)
             goto fail;

@@ -4,7 +4,7 @@ The C module has no pure-Python source, so this file is what type checkers see.
 Every name here exists at runtime and nothing else does; ``mypy.stubtest`` checks
 that (``python -m mypy.stubtest indexer._native._core``). The pure-Python twins the C is
 held to are ``tree._PyNode``, ``tree._py_insert_gpu``, ``tree._py_walk``,
-``result._py_gpu_answers``, ``keys._py_block_keys`` and ``snapshot._py_dump_tree``,
+``result._py_gpu_answers``, ``route._py_rank``, ``keys._py_block_keys`` and ``snapshot._py_dump_tree``,
 ``_py_dump_map``, ``_py_load_tree``, ``_py_load_map``.
 
 Conventions the C follows:
@@ -180,6 +180,30 @@ def answers(
     dp_rank, tier items, group items, tokens, freshness, now)``, built without
     calling ``cls``. ``cls`` must be a tuple subclass. Same as
     ``result._py_gpu_answers``.
+    """
+
+
+def rank(
+    cands: list[tuple[str, int, bool]],
+    workers: list[Any],
+    pred: dict[tuple[str, int], tuple[int, float]] | None,
+    load: dict[str, Any] | None,
+    used: set[str],
+    in_flight: dict[tuple[str, int], tuple[int, int]] | None,
+    link: dict[tuple[str, int], tuple[bool, bool]] | None,
+    query_blocks: int,
+    block_size: int,
+    scale: float,
+    idle_source: str,
+    entry_cls: type | None,
+    load_cls: type | None,
+    /,
+) -> tuple[list[Any], float, Any] | None:
+    """A route's candidates ranked, best first: ``(entries, top score, the best one's
+    match or None)``; load keys found are added to ``used``. Entries are dicts, or
+    ``entry_cls(..., load_cls(...))``. None when a value is one only Python ranks
+    exactly (a NaN, a load that is not an int below 2**53, ...). Same as
+    ``route._py_rank``.
     """
 
 

@@ -16,6 +16,7 @@
  *   events.c    vLLM's msgpack events: tokens_from_msgpack, scan_gpu_batch
  *   snapshot.c  a snapshot's columns: NodeIndex, dump_*, node_index, translate, load_*
  *   answers.c   the ranked answers of a GPU-only match
+ *   ranking.c   a route's ranking of its candidates
  *   _core.c     the module: its method tables, types and objects put together
  */
 #ifndef KVI_CORE_H
@@ -302,5 +303,6 @@ extern KVI_HIDDEN PyMethodDef kvi_keys_methods[];
 extern KVI_HIDDEN PyMethodDef kvi_events_methods[];
 extern KVI_HIDDEN PyMethodDef kvi_snapshot_methods[];
 extern KVI_HIDDEN PyMethodDef kvi_answers_methods[];
+extern KVI_HIDDEN PyMethodDef kvi_ranking_methods[];
 
 #endif /* KVI_CORE_H */

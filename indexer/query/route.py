@@ -2,17 +2,26 @@
 
 Read-only over a :class:`~indexer.query.answers.MatchResult`; used by ``PrefixIndex.route``,
 the service's ``POST /v1/route`` and the fleet simulator's index policy.
+
+The answer lists every candidate (hundreds in a large fleet), so the per-candidate work
+is one pass in the compiled core (``indexer/_native/ranking.c``; :func:`_py_rank` is its
+pure-Python twin and the fallback): cost, sort key and the ranked entry, built once,
+either as the library's dicts or as the service's msgspec structs (the same JSON).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import math
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-from indexer.query.answers import MatchResult
+from msgspec import Struct
+
+from indexer._native import core as _core
+from indexer.query.answers import MatchResult, Row, WorkerMatch
 from indexer.wire.engines import parse_worker
 
-__all__ = ["Load", "route"]
+__all__ = ["Load", "LoadOut", "RankedOut", "RouteResponse", "Ranking", "rank", "route"]
 
 
 class Load(NamedTuple):
@@ -20,6 +29,108 @@ class Load(NamedTuple):
 
     active_prefill_tokens: int = 0
     active_decode_blocks: int = 0
+
+
+# The JSON body of ``POST /v1/route`` as msgspec structs, encoded to exactly the bytes of
+# the library's dict answer (fields in the same order). They are also the response
+# schema: api/schemas.py publishes these classes in the OpenAPI document.
+class LoadOut(Struct, gc=False, frozen=True):
+    """The load a worker was weighed with: the caller's (``caller``), the index's own
+    in-flight estimate (``index``), or none."""
+
+    prefill_tokens: int
+    decode_blocks: int
+    source: str
+
+
+class RankedOut(Struct, gc=False, frozen=True):
+    worker: str
+    engine: str
+    dp_rank: int
+    # Announced prefix (credit-weighted) plus predicted blocks (predicted_credit each).
+    score: float
+    # Announced blocks (GPU, then whole CPU chunks, then STORAGE).
+    cached_blocks: int
+    # Blocks routed prompts will add beyond the announced ones (not yet announced).
+    predicted_blocks: int
+    cost: float
+    stale: bool
+    # The live socket's state now; null for a candidate the index does not subscribe to.
+    connected: bool | None
+    load: LoadOut
+
+
+class RouteResponse(Struct, gc=False, frozen=True):
+    model: str
+    worker: str
+    engine: str
+    dp_rank: int
+    score: float
+    cost: float
+    reason: str
+    # The chosen worker's announced blocks per tier (as /v1/match's "tiers").
+    tiers: dict[str, int]
+    ranked: list[RankedOut]
+    # Keys of "load" that named no candidate (well-formed, but no such worker).
+    unused_load: list[str]
+    # Names this decision (POST /v1/route/{request_id}/done releases it); null for a dry run.
+    request_id: str | None
+
+
+class Ranking(NamedTuple):
+    """A route's decision before it is written out: the ranked entries, best first
+    (dicts, or :class:`RankedOut` when asked for structs), and what the answer's head
+    says. Read-only."""
+
+    model: str
+    ranked: list[Any]
+    best: WorkerMatch | None  # the chosen worker's match (None: nothing cached there)
+    top_score: float  # the highest score of any candidate
+    unused_load: list[str]
+    structs: bool
+
+    def head(self) -> tuple[str, str, int, float, float, int, int]:
+        """``(worker, engine, dp_rank, score, cost, cached_blocks, predicted_blocks)`` of
+        the chosen worker."""
+        t = self.ranked[0]
+        if self.structs:
+            return t.worker, t.engine, t.dp_rank, t.score, t.cost, t.cached_blocks, t.predicted_blocks
+        return (t["worker"], t["engine"], t["dp_rank"], t["score"], t["cost"], t["cached_blocks"],
+                t["predicted_blocks"])
+
+    def reason(self) -> str:
+        score = self.ranked[0].score if self.structs else self.ranked[0]["score"]
+        if self.top_score <= 0:
+            return "no_cached_prefix_least_loaded"
+        if score >= self.top_score:
+            return "longest_cached_prefix"
+        return "load_outweighs_cached_prefix"
+
+    def answer(self) -> dict[str, Any]:
+        """The ``/v1/route`` body as the library's dict (``ranked``: dicts), without its
+        ``request_id`` (the caller adds it)."""
+        worker, engine, rank_, score, cost, _, _ = self.head()
+        return {
+            "model": self.model,
+            "worker": worker,
+            "engine": engine,
+            "dp_rank": rank_,
+            "score": score,
+            "cost": cost,
+            "reason": self.reason(),
+            # The chosen worker's announced blocks per tier (as /v1/match's "tiers"): the
+            # cached part of the cost split (one small dict: the tiers the worker holds).
+            "tiers": self.best.tiers if self.best is not None else {},
+            "ranked": self.ranked,
+            "unused_load": self.unused_load,
+        }
+
+    def response(self, request_id: str | None = None) -> RouteResponse:
+        """The same body as :meth:`answer`, as structs (``rank(..., structs=True)``)."""
+        worker, engine, rank_, score, cost, _, _ = self.head()
+        return RouteResponse(self.model, worker, engine, rank_, score, cost, self.reason(),
+                             self.best.tiers if self.best is not None else {}, self.ranked, self.unused_load,
+                             request_id)
 
 
 def route(
@@ -30,7 +141,7 @@ def route(
     candidates: Iterable[str] | None = None,
     prefill_load_scale: float = 1.0,
     link: Mapping[tuple[str, int], tuple[bool, bool]] | None = None,
-    in_flight: Callable[[tuple[str, int]], tuple[int, int]] | None = None,
+    in_flight: Mapping[tuple[str, int], tuple[int, int]] | None = None,
     index_load: bool = False,
 ) -> dict[str, Any]:
     """Rank the candidates by cost, lowest first; the ``/v1/route`` body.
@@ -40,10 +151,11 @@ def route(
     or ``"engine"`` for all its known ranks; an unknown one is ranked with nothing
     cached); ``load`` is keyed ``"engine/rank"`` or ``"engine"``; ``link`` is the
     transport's ``(connected now, ever connected)`` per worker (None: all connected);
-    ``in_flight`` gives the index's own ``(prefill tokens, decode blocks)`` estimate of
-    a worker, used where ``load`` names none (a caller's load replaces it); ``index_load``
-    says the index estimates load even when ``in_flight`` is None (it has nothing in
-    flight: every worker's estimate is 0). For each candidate:
+    ``in_flight`` is the index's own ``(prefill tokens, decode blocks)`` estimate of the
+    workers it has load on (``InFlight.loads``; a worker it does not name has none),
+    used where ``load`` names none (a caller's load replaces it); ``index_load`` says
+    the index estimates load even when ``in_flight`` is None (it has nothing in flight:
+    every worker's estimate is 0). For each candidate:
 
         score = credit-weighted announced prefix (stale already discounted)
                 + the score of the predicted blocks beyond it (``res.predicted``)
@@ -62,59 +174,120 @@ def route(
     LookupError
         When there is no candidate at all.
     """
+    return rank(res, known, load=load, candidates=candidates, prefill_load_scale=prefill_load_scale, link=link,
+                in_flight=in_flight, index_load=index_load).answer()
+
+
+def rank(
+    res: MatchResult,
+    known: Iterable[tuple[str, int, bool]] | list[Row | None],
+    *,
+    load: Mapping[str, Load] | None = None,
+    candidates: Iterable[str] | None = None,
+    prefill_load_scale: float = 1.0,
+    link: Mapping[tuple[str, int], tuple[bool, bool]] | None = None,
+    in_flight: Mapping[tuple[str, int], tuple[int, int]] | None = None,
+    index_load: bool = False,
+    structs: bool = False,
+) -> Ranking:
+    """:func:`route`'s decision as a :class:`Ranking` (its entries as :class:`RankedOut`
+    with ``structs``), for the caller to write out with or without a request id. Raises as
+    :func:`route` does; changes nothing.
+
+    ``known`` may also be a model's rows (``ModelState.rows``: ``(engine, dp_rank,
+    freshness, position)``, None for a removed worker), read as they are: the index's
+    own table of its workers, with no list made per route."""
     load = load or {}
-    known = list(known)
-    bad = []
-    load_workers: dict[str, tuple[str, int | None]] = {}
-    for k in load:
-        try:
-            load_workers[k] = parse_worker(k)
-        except ValueError:
-            bad.append(k)
-    by_key = {(w.engine, w.dp_rank): w for w in res.workers}
+    bad = [k for k in load if not _valid_name(k)]
     if candidates is None:
-        cands = [(e, r) for e, r, _ in known]
+        cands: list[Any] = known if known.__class__ is list else list(known)
     else:
+        stale: dict[tuple[str, int], bool] = {}
         ranks: dict[str, list[int]] = {}
-        for e, r, _ in known:
-            ranks.setdefault(e, []).append(r)
-        cands = []
+        for t in known:
+            if t is not None:
+                e, r = t[0], t[1]
+                stale[(e, r)] = t[2] if len(t) == 3 else t[2][0]  # a row: its freshness
+                ranks.setdefault(e, []).append(r)
+        picked: list[tuple[str, int]] = []
         for c in candidates:
             try:
-                engine, rank = parse_worker(c)
+                engine, rank_ = parse_worker(c)
             except ValueError:
                 bad.append(c)
                 continue
-            if rank is not None:
-                cands.append((engine, rank))
+            if rank_ is not None:
+                picked.append((engine, rank_))
             else:
-                cands.extend((engine, r) for r in ranks.get(engine, [0]))
-        cands = sorted(set(cands))
+                picked.extend((engine, r) for r in ranks.get(engine, [0]))
+        cands = [(e, r, stale.get((e, r), False)) for e, r in sorted(set(picked))]
     if bad:
         raise ValueError("malformed worker name(s) in candidates or load: "
                          f"{', '.join(repr(b) for b in bad)} (expected ENGINE or ENGINE/RANK, RANK in ASCII digits)")
-    if not cands:
-        raise LookupError(f"no workers to route to for model {res.model!r}")
-    bs = res.block_size or 0
-    stale = {(e, r): s for e, r, s in known}
     pred = {(e, r): (n, s) for e, r, n, s in res.predicted} if res.predicted else None
+    idle = "index" if in_flight is not None or index_load else "none"
+    entry_cls, load_cls = (RankedOut, LoadOut) if structs else (None, None)
     used: set[str] = set()
-    ranked = []
-    qb = res.query_blocks
-    idle = (0, 0, "index" if in_flight is not None or index_load else "none")
-    for engine, rank in cands:
-        key = (engine, rank)
+    args: tuple[Any, ...] = (cands, res.workers, pred, load or None, used, in_flight or None, link,
+                             res.query_blocks, res.block_size or 0, prefill_load_scale, idle, entry_cls, load_cls)
+    got = _core.rank(*args) if _core is not None else None
+    if got is None:  # no compiled core, or a value only Python ranks exactly (see ranking.c)
+        used.clear()
+        got = _py_rank(*args)
+    ranked, top_score, best = got
+    if not ranked:
+        raise LookupError(f"no workers to route to for model {res.model!r}")
+    return Ranking(res.model, ranked, best, top_score, sorted(set(load) - used) if load else [], structs)
+
+
+# Load keys already checked: a fleet's names repeat from one route to the next, and
+# parse_worker costs ~1 us each. Bounded: cleared when it grows past _NAMES_MAX.
+_valid_names: set[str] = set()
+_NAMES_MAX = 65536
+
+
+def _valid_name(k: str) -> bool:
+    """Whether ``k`` is a well-formed worker name (remembered when it is)."""
+    if k in _valid_names:
+        return True
+    try:
+        parse_worker(k)
+    except ValueError:
+        return False
+    if len(_valid_names) >= _NAMES_MAX:
+        _valid_names.clear()
+    _valid_names.add(k)
+    return True
+
+
+def _py_rank(cands: list[Any], workers: list[WorkerMatch],
+             pred: dict[tuple[str, int], tuple[int, float]] | None, load: Mapping[str, Any] | None, used: set[str],
+             in_flight: Mapping[tuple[str, int], tuple[int, int]] | None,
+             link: Mapping[tuple[str, int], tuple[bool, bool]] | None, qb: int, bs: int, scale: float, idle: str,
+             entry_cls: Any, load_cls: Any) -> tuple[list[Any], float, WorkerMatch | None]:
+    """The ranked entries of ``cands`` (``(engine, dp_rank, stale)``, or rows: see
+    :func:`rank`), best first, the highest score and the best one's match; load keys
+    found are added to ``used``. The compiled ``rank`` is its twin; this one also serves
+    the values it declines."""
+    by_key = {(w[2], w[3]): w for w in workers}
+    keyed = []
+    for c in cands:
+        if c is None:
+            continue  # a removed worker's row
+        engine, rank_ = c[0], c[1]
+        st = c[2] if len(c) == 3 else c[2][0]
+        key = (engine, rank_)
         wm = by_key.get(key)
-        score = -wm[0] + 0.0 if wm is not None else 0.0  # (WorkerMatch.score, without the call)
+        score = -wm[0] + 0.0 if wm is not None else 0.0
         pblocks = 0
         if pred is not None:
             p = pred.get(key)
             if p is not None:
                 pblocks = p[0]
                 score += p[1]
-        name = f"{engine}/{rank}"
-        ld: tuple[int, int, str] = idle
-        if load:
+        name = f"{engine}/{rank_}"
+        ld: tuple[Any, Any, str] | None = None
+        if load is not None:
             got = load.get(name)
             if got is not None:
                 used.add(name)
@@ -124,42 +297,27 @@ def route(
                     used.add(engine)
             if got is not None:
                 ld = (got[0], got[1], "caller")
-        if ld is idle and in_flight is not None:
-            f = in_flight(key)
-            if f[0] or f[1]:
-                ld = (f[0], f[1], "index")
+        if ld is None:
+            f = in_flight.get(key) if in_flight is not None else None
+            ld = (f[0], f[1], "index") if f is not None and (f[0] or f[1]) else (0, 0, idle)
         prefill = -(-ld[0] // bs) if bs else 0
-        cost = prefill_load_scale * max(prefill + qb - score, 0.0) + ld[1]
+        cost = scale * max(prefill + qb - score, 0.0) + ld[1]
         lk = link.get(key) if link is not None else None
         connected = lk[0] if lk is not None else (None if link is not None else True)
-        ranked.append((lk is not None and not lk[1], cost, -score, engine, rank, name, wm, stale.get(key, False),
-                       connected, pblocks, ld))
-    ranked.sort()  # (never connected, cost, -score, engine, rank) decide: (engine, rank) is unique
-    best = ranked[0]
-    top_score = max(-t[2] for t in ranked)
-    if top_score <= 0:
-        reason = "no_cached_prefix_least_loaded"
-    elif -best[2] >= top_score:
-        reason = "longest_cached_prefix"
-    else:
-        reason = "load_outweighs_cached_prefix"
-    return {
-        "model": res.model,
-        "worker": best[5],
-        "engine": best[3],
-        "dp_rank": best[4],
-        "score": -best[2] + 0.0,
-        "cost": best[1],
-        "reason": reason,
-        # The chosen worker's announced blocks per tier (as /v1/match's "tiers"): the
-        # cached part of the cost split (one small dict: the tiers the worker holds).
-        "tiers": best[6].tiers if best[6] is not None else {},
-        "ranked": [
-            {"worker": name, "engine": e, "dp_rank": r, "score": -ns + 0.0,
-             "cached_blocks": wm.total_blocks if wm is not None else 0, "predicted_blocks": pb, "cost": cost,
-             "stale": st, "connected": conn,
-             "load": {"prefill_tokens": ld[0], "decode_blocks": ld[1], "source": ld[2]}}
-            for _, cost, ns, e, r, name, wm, st, conn, pb, ld in ranked
-        ],
-        "unused_load": sorted(set(load) - used),
-    }
+        cached = -wm[1] if wm is not None else 0
+        if entry_cls is None:
+            entry: Any = {"worker": name, "engine": engine, "dp_rank": rank_, "score": score + 0.0,
+                          "cached_blocks": cached, "predicted_blocks": pblocks, "cost": cost, "stale": st,
+                          "connected": connected,
+                          "load": {"prefill_tokens": ld[0], "decode_blocks": ld[1], "source": ld[2]}}
+        else:
+            entry = entry_cls(name, engine, rank_, score + 0.0, cached, pblocks, cost, st, connected,
+                              load_cls(*ld))
+        keyed.append((lk is not None and not lk[1], cost, -score, engine, rank_, entry, wm))
+    keyed.sort(key=_sort_key)  # (never connected, cost, -score, engine, rank) decide: (engine, rank) is unique
+    top = max((-t[2] for t in keyed), default=-math.inf)
+    return [t[5] for t in keyed], top, keyed[0][6] if keyed else None
+
+
+def _sort_key(t: tuple[Any, ...]) -> tuple[Any, ...]:
+    return t[:5]

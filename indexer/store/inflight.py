@@ -283,19 +283,40 @@ class InFlight:
         """(prefill tokens, decode blocks) in flight on ``worker``: what we routed there,
         less what the request in prefill has done by now (at the worker's learned rate),
         plus what its engine reported beyond ours (other routers' requests)."""
-        pre = self.prefill.get(worker, 0)
-        rate = self.rate.get(worker) if pre else None
-        if rate is not None:
-            for head in self.pending[worker]:  # FIFO: the first with work is in prefill now
-                if head.prefill_tokens:
-                    start = max(head.t, self.last_announce.get(worker, head.t))
-                    pre -= min(head.prefill_tokens, max(0, int(rate * (self.clock() - start))))
-                    break
-        dec = self.decode.get(worker, 0)
-        extra = self.engine_extra.get(worker)
-        if extra is None or self.clock() - extra[2] > self.engine_max_age_s:
-            return pre, dec
-        return pre + extra[0], dec + extra[1]
+        return self._loads((worker,), self.clock()).get(worker, (0, 0))
+
+    def loads(self) -> dict[WorkerKey, tuple[int, int]]:
+        """:meth:`load` of every worker whose load is not (0, 0), at one reading of the
+        clock: a route's estimate for a whole fleet, asked only of the workers with
+        something in flight or reported (every other one's is (0, 0)). Reads only."""
+        prefill, decode, extra = self.prefill, self.decode, self.engine_extra
+        keys = prefill.keys() | decode.keys() | extra.keys() if decode or extra else prefill.keys()
+        return self._loads(keys, self.clock())
+
+    def _loads(self, keys: Iterable[WorkerKey], now: float) -> dict[WorkerKey, tuple[int, int]]:
+        """:meth:`load` at clock reading ``now`` of each of ``keys`` whose load is not
+        (0, 0): one loop, no call per worker (a route asks it of a whole fleet)."""
+        out: dict[WorkerKey, tuple[int, int]] = {}
+        prefill, decode, extra, rate = self.prefill, self.decode, self.engine_extra, self.rate
+        max_age = self.engine_max_age_s
+        for w in keys:
+            pre = prefill.get(w, 0)
+            dec = decode.get(w, 0)
+            r = rate.get(w) if pre else None
+            if r is not None:
+                for head in self.pending[w]:  # FIFO: the first with work is in prefill now
+                    if head.prefill_tokens:
+                        start = max(head.t, self.last_announce.get(w, head.t))
+                        pre -= min(head.prefill_tokens, max(0, int(r * (now - start))))
+                        break
+            if extra:
+                ex = extra.get(w)
+                if ex is not None and not now - ex[2] > max_age:
+                    pre += ex[0]
+                    dec += ex[1]
+            if pre or dec:
+                out[w] = (pre, dec)
+        return out
 
     def correct(self, worker: WorkerKey, waiting: float, running: float, t: float) -> None:
         """Correct ``worker``'s estimate with what its engine reported at ``t``: ``waiting``

@@ -1,0 +1,550 @@
+/* ranking.c: a route's ranking of its candidates (query/route.py's _py_rank is the
+ * reference), one pass with no Python frame per candidate: the cost of each, the
+ * answer's entry (a dict, or the caller's struct classes), then one sort of C keys.
+ * A large fleet lists hundreds of candidates in every answer; this is their loop. */
+#include "core.h"
+#include <math.h>
+
+/* Keys of an entry and of its "load", interned once: the dicts an answer lists are
+ * copies of a template with these keys in the answer's order (a copy of a dict with
+ * string keys clones its key table, no insertion and no resize per key). */
+static const char *const ENTRY_KEYS[] = {"worker", "engine", "dp_rank", "score", "cached_blocks",
+                                         "predicted_blocks", "cost", "stale", "connected", "load"};
+static const char *const LOAD_KEYS[] = {"prefill_tokens", "decode_blocks", "source"};
+#define N_ENTRY 10
+#define N_LOAD 3
+static PyObject *entry_keys[N_ENTRY], *load_keys[N_LOAD], *entry_tpl, *load_tpl, *src_caller, *src_index;
+
+static int
+init_templates(void)
+{
+    if (entry_tpl != NULL)
+        return 0;
+    PyObject *et = PyDict_New(), *lt = PyDict_New();
+    src_caller = src_caller ? src_caller : PyUnicode_InternFromString("caller");
+    src_index = src_index ? src_index : PyUnicode_InternFromString("index");
+    if (et == NULL || lt == NULL || src_caller == NULL || src_index == NULL)
+        goto fail;
+    for (int i = 0; i < N_ENTRY; i++) {
+        if (entry_keys[i] == NULL && (entry_keys[i] = PyUnicode_InternFromString(ENTRY_KEYS[i])) == NULL)
+            goto fail;
+        if (PyDict_SetItem(et, entry_keys[i], Py_None) < 0)
+            goto fail;
+    }
+    for (int i = 0; i < N_LOAD; i++) {
+        if (load_keys[i] == NULL && (load_keys[i] = PyUnicode_InternFromString(LOAD_KEYS[i])) == NULL)
+            goto fail;
+        if (PyDict_SetItem(lt, load_keys[i], Py_None) < 0)
+            goto fail;
+    }
+    entry_tpl = et;
+    load_tpl = lt;
+    return 0;
+fail:
+    Py_XDECREF(et);
+    Py_XDECREF(lt);
+    return -1;
+}
+
+/* A dict with `keys` (the template's, in its order) set to `vals`; NULL on error. */
+static PyObject *
+filled(PyObject *tpl, PyObject *const *keys, PyObject *const *vals, int n)
+{
+    PyObject *d = PyDict_Copy(tpl);
+    if (d == NULL)
+        return NULL;
+    for (int i = 0; i < n; i++)
+        if (PyDict_SetItem(d, keys[i], vals[i]) < 0) {
+            Py_DECREF(d);
+            return NULL;
+        }
+    return d;
+}
+
+/* Exactly representable in a double: what Python's int + float does without loss. */
+#define EXACT (1LL << 53)
+
+/* 1: *out is the int `o` (|o| < 2**53); 0: not such an int (the caller declines); -1: error. */
+static int
+small_int(PyObject *o, long long *out)
+{
+    if (!PyLong_Check(o))
+        return 0;
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow || v >= EXACT || v <= -EXACT)
+        return 0;
+    *out = v;
+    return 1;
+}
+
+/* 1: *out is the float or small int `o` as a double; 0: neither; -1: error. */
+static int
+as_double(PyObject *o, double *out)
+{
+    if (PyFloat_CheckExact(o)) {
+        *out = PyFloat_AS_DOUBLE(o);
+        return 1;
+    }
+    long long v;
+    int got = small_int(o, &v);
+    if (got == 1)
+        *out = (double)v;
+    return got;
+}
+
+/* Python's a // b for b != 0 (rounding toward minus infinity). */
+static long long
+floordiv(long long a, long long b)
+{
+    long long q = a / b;
+    if (a % b != 0 && ((a < 0) != (b < 0)))
+        q--;
+    return q;
+}
+
+/* "engine/rank" as f"{engine}/{rank}" makes it. */
+static PyObject *
+worker_name(PyObject *engine, PyObject *rank, long long r)
+{
+    if (r < 0 || !PyUnicode_IS_ASCII(engine))
+        return PyUnicode_FromFormat("%U/%S", engine, rank);
+    char digits[24];
+    int nd = 0;
+    do { /* the digits backwards, then in place */
+        digits[nd++] = (char)('0' + r % 10);
+        r /= 10;
+    } while (r);
+    for (int i = 0; i < nd / 2; i++) {
+        char t = digits[i];
+        digits[i] = digits[nd - 1 - i];
+        digits[nd - 1 - i] = t;
+    }
+    Py_ssize_t ne = PyUnicode_GET_LENGTH(engine);
+    PyObject *s = PyUnicode_New(ne + 1 + nd, 127);
+    if (s == NULL)
+        return NULL;
+    char *p = (char *)PyUnicode_DATA(s);
+    memcpy(p, PyUnicode_DATA(engine), (size_t)ne);
+    p[ne] = '/';
+    memcpy(p + ne + 1, digits, (size_t)nd);
+    return s;
+}
+
+/* A float of value v (bit for bit): *last when it is one, else a new one kept in *last.
+ * Floats are immutable and a fleet's scores and costs repeat (every worker holding the
+ * same prefix, idle): the entries share them. A new reference; NULL on error. */
+static PyObject *
+same_float(double v, PyObject **last)
+{
+    if (*last != NULL) {
+        double w = PyFloat_AS_DOUBLE(*last);
+        if (memcmp(&v, &w, sizeof v) == 0) {
+            Py_INCREF(*last);
+            return *last;
+        }
+    }
+    PyObject *f = PyFloat_FromDouble(v);
+    if (f != NULL) {
+        Py_XSETREF(*last, f);
+        Py_INCREF(f);
+    }
+    return f;
+}
+
+/* Item i of a sequence (a tuple without a call): a new reference, NULL on error. */
+static PyObject *
+item(PyObject *seq, Py_ssize_t i)
+{
+    if (PyTuple_Check(seq) && i < PyTuple_GET_SIZE(seq)) {
+        PyObject *o = PyTuple_GET_ITEM(seq, i);
+        Py_INCREF(o);
+        return o;
+    }
+    return PySequence_GetItem(seq, i);
+}
+
+/* Equal str objects (the same code points): same kind and length, same bytes. */
+static int
+str_eq(PyObject *a, PyObject *b)
+{
+    if (a == b)
+        return 1;
+    Py_ssize_t n = PyUnicode_GET_LENGTH(a);
+    int kind = PyUnicode_KIND(a);
+    return n == PyUnicode_GET_LENGTH(b) && kind == PyUnicode_KIND(b) &&
+           memcmp(PyUnicode_DATA(a), PyUnicode_DATA(b), (size_t)n * (size_t)kind) == 0;
+}
+
+/* The match's workers by (engine, dp_rank): open addressing over borrowed WorkerMatch
+ * tuples, hashed by the engine's cached str hash and the rank, so no key object is made
+ * per worker (the answer's engines are the very objects of the model's rows). */
+typedef struct {
+    PyObject *engine; /* NULL: empty */
+    long long rank;
+    PyObject *wm;
+} MSlot;
+
+typedef struct {
+    MSlot *slots;
+    size_t mask;
+} MTable;
+
+/* The slot of (engine, rank): its own, or the empty one where it would go; NULL on error. */
+static MSlot *
+mt_slot(MTable *t, PyObject *engine, long long rank)
+{
+    Py_hash_t h = PyObject_Hash(engine); /* a str caches it */
+    if (h == -1)
+        return NULL;
+    size_t i = (size_t)mix64((uint64_t)h ^ ((uint64_t)rank * 0x9E3779B97F4A7C15ULL)) & t->mask;
+    for (;;) {
+        MSlot *sl = &t->slots[i];
+        if (sl->engine == NULL || (sl->rank == rank && str_eq(sl->engine, engine)))
+            return sl;
+        i = (i + 1) & t->mask;
+    }
+}
+
+/* A candidate's sort key (never connected, cost, -score, engine, rank) and its entry. */
+typedef struct {
+    int never;
+    double cost, negscore;
+    PyObject *engine; /* borrowed from the candidate */
+    long long rank;
+    PyObject *entry; /* owned */
+    PyObject *wm;    /* borrowed from the match */
+} Cand;
+
+static int
+by_key(const void *a, const void *b)
+{
+    const Cand *x = a, *y = b;
+    if (x->never != y->never)
+        return x->never - y->never;
+    if (x->cost != y->cost)
+        return x->cost < y->cost ? -1 : 1;
+    if (x->negscore != y->negscore)
+        return x->negscore < y->negscore ? -1 : 1;
+    /* Engine ids: code point order, as str's <. Most are ASCII (one byte a code point,
+     * where memcmp is that order); a tie on cost and score over a whole fleet compares
+     * them in every step of the sort. */
+    PyObject *e = x->engine, *f = y->engine;
+    int c;
+    if (PyUnicode_KIND(e) == PyUnicode_1BYTE_KIND && PyUnicode_KIND(f) == PyUnicode_1BYTE_KIND) {
+        Py_ssize_t ne = PyUnicode_GET_LENGTH(e), nf = PyUnicode_GET_LENGTH(f);
+        c = memcmp(PyUnicode_DATA(e), PyUnicode_DATA(f), (size_t)(ne < nf ? ne : nf));
+        if (c == 0)
+            c = (ne > nf) - (ne < nf);
+    } else {
+        c = PyUnicode_Compare(e, f); /* exact str: never fails */
+    }
+    if (c != 0)
+        return c;
+    return (x->rank > y->rank) - (x->rank < y->rank);
+}
+
+PyDoc_STRVAR(rank_doc,
+"rank(cands, workers, pred, load, used, in_flight, link, query_blocks, block_size, scale,\n"
+"     idle_source, entry_cls, load_cls) -> (entries, top_score, best_match) | None\n\n"
+"The ranked entries of a route's candidates, best first (route._py_rank is the\n"
+"reference: same arguments, same answer). `cands` are (engine, dp_rank, stale)\n"
+"tuples, or a model's rows (engine, dp_rank, freshness, position; None for a\n"
+"removed worker, skipped); `workers` the match's WorkerMatch tuples; `pred`, `load`, `in_flight`, `link`\n"
+"dicts or None; load keys found are added to the set `used`. Entries are dicts, or\n"
+"entry_cls(..., load_cls(...)) when the classes are given. None when a value is one\n"
+"only Python ranks exactly (a NaN cost or score, a load that is not an int below\n"
+"2**53, an engine that is not a str, a non-dict mapping): ask _py_rank then.");
+
+#define DECLINE 1 /* a value outside what this loop ranks exactly: return None */
+
+static PyObject *
+rank(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 13 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PySet_Check(args[4]) ||
+        !PyUnicode_Check(args[10])) {
+        PyErr_SetString(PyExc_TypeError, "rank(list, list, dict|None, dict|None, set, dict|None, dict|None, int, "
+                                         "int, float, str, type|None, type|None)");
+        return NULL;
+    }
+    PyObject *cands = args[0], *workers = args[1], *used = args[4], *idle = args[10];
+    PyObject *pred = args[2] == Py_None ? NULL : args[2], *load = args[3] == Py_None ? NULL : args[3];
+    PyObject *in_flight = args[5] == Py_None ? NULL : args[5], *link = args[6] == Py_None ? NULL : args[6];
+    PyObject *entry_cls = args[11] == Py_None ? NULL : args[11], *load_cls = args[12] == Py_None ? NULL : args[12];
+    if ((pred && !PyDict_CheckExact(pred)) || (load && !PyDict_CheckExact(load)) ||
+        (in_flight && !PyDict_CheckExact(in_flight)) || (link && !PyDict_CheckExact(link)) ||
+        (entry_cls == NULL) != (load_cls == NULL))
+        Py_RETURN_NONE;
+    long long qb = 0, bs = 0;
+    double scale = 0.0;
+    int ok1 = small_int(args[7], &qb), ok2 = small_int(args[8], &bs), ok3 = as_double(args[9], &scale);
+    if (ok1 < 0 || ok2 < 0 || ok3 < 0)
+        return NULL;
+    if (!ok1 || !ok2 || !ok3 || bs < 0 || isnan(scale))
+        Py_RETURN_NONE;
+    if (init_templates() < 0)
+        return NULL;
+
+    Py_ssize_t n = PyList_GET_SIZE(cands), nw = PyList_GET_SIZE(workers);
+    /* The (engine, dp_rank) key each candidate is looked up by: one tuple whose items
+     * are set (borrowed) per candidate, not one made and freed per candidate. Only
+     * looked up with, never stored: its items are cleared before it is released. */
+    PyObject *out = NULL, *key = PyTuple_New(2);
+    /* Shared by the entries (immutable): the last score and cost made, and the struct
+     * path's load of an idle worker (frozen; a dict could be changed, so each has its own). */
+    PyObject *last_score = NULL, *last_cost = NULL, *idle_ld = NULL;
+    size_t cap = 8;
+    while (cap < 2 * (size_t)nw)
+        cap <<= 1;
+    MTable wms = {PyMem_Calloc(cap, sizeof(MSlot)), cap - 1};
+    Cand *cs = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Cand));
+    Py_ssize_t k = 0; /* entries made (a None row makes none) */
+    double top = -INFINITY;
+    int err = 0;      /* 1: decline; -1: error */
+    if (wms.slots == NULL || cs == NULL || key == NULL) {
+        err = -1;
+        if (wms.slots == NULL || cs == NULL)
+            PyErr_NoMemory();
+        goto done;
+    }
+    /* (engine, dp_rank) -> match, as by_key in the reference (the last one wins). */
+    for (Py_ssize_t i = 0; i < nw; i++) {
+        PyObject *w = PyList_GET_ITEM(workers, i);
+        long long wr;
+        int got;
+        if (!PyTuple_Check(w) || PyTuple_GET_SIZE(w) < 4 || !PyUnicode_CheckExact(PyTuple_GET_ITEM(w, 2)) ||
+            !PyLong_CheckExact(PyTuple_GET_ITEM(w, 3)) || (got = small_int(PyTuple_GET_ITEM(w, 3), &wr)) == 0) {
+            err = DECLINE;
+            goto done;
+        }
+        MSlot *sl = got < 0 ? NULL : mt_slot(&wms, PyTuple_GET_ITEM(w, 2), wr);
+        if (sl == NULL) {
+            err = -1;
+            goto done;
+        }
+        *sl = (MSlot){PyTuple_GET_ITEM(w, 2), wr, w};
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *c = PyList_GET_ITEM(cands, i);
+        if (c == Py_None)
+            continue; /* a removed worker's row */
+        Py_ssize_t size = PyTuple_Check(c) ? PyTuple_GET_SIZE(c) : 0;
+        if ((size != 3 && size != 4) || !PyUnicode_CheckExact(PyTuple_GET_ITEM(c, 0)) ||
+            !PyLong_CheckExact(PyTuple_GET_ITEM(c, 1)) ||
+            (size == 4 && (!PyTuple_Check(PyTuple_GET_ITEM(c, 2)) || PyTuple_GET_SIZE(PyTuple_GET_ITEM(c, 2)) < 1))) {
+            err = DECLINE;
+            goto done;
+        }
+        PyObject *engine = PyTuple_GET_ITEM(c, 0), *rk = PyTuple_GET_ITEM(c, 1), *st = PyTuple_GET_ITEM(c, 2);
+        if (size == 4)
+            st = PyTuple_GET_ITEM(st, 0); /* a row: stale is its freshness' first item */
+        long long r;
+        int got = small_int(rk, &r);
+        if (got <= 0) {
+            err = got < 0 ? -1 : DECLINE;
+            goto done;
+        }
+        /* Everything made below is released at `next`; `entry` is kept in cs[k]. */
+        PyTuple_SET_ITEM(key, 0, engine);
+        PyTuple_SET_ITEM(key, 1, rk);
+        PyObject *name = NULL, *ld0 = NULL, *ld1 = NULL, *src = idle; /* ld0 NULL: idle so far */
+        PyObject *conn = NULL, *score_o = NULL, *cost_o = NULL, *cached = NULL, *ld_o = NULL, *entry = NULL;
+        PyObject *pb = kvi_ZERO, *wm = NULL;
+        double score = 0.0, d;
+        int never = 0, step = 0;
+        MSlot *sl = mt_slot(&wms, engine, r);
+        if (sl == NULL)
+            goto fail;
+        wm = sl->wm; /* NULL: nothing matched there */
+        if (wm != NULL) {
+            if ((got = as_double(PyTuple_GET_ITEM(wm, 0), &d)) <= 0)
+                goto bad;
+            score = -d + 0.0;
+        }
+        if (pred != NULL) {
+            PyObject *p = PyDict_GetItemWithError(pred, key);
+            if (p == NULL && PyErr_Occurred())
+                goto fail;
+            if (p != NULL) {
+                if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) < 2 || (got = as_double(PyTuple_GET_ITEM(p, 1), &d)) <= 0)
+                    goto bad;
+                pb = PyTuple_GET_ITEM(p, 0);
+                score += d;
+            }
+        }
+        if ((name = worker_name(engine, rk, r)) == NULL)
+            goto fail;
+        if (load != NULL) {
+            /* The name, else the engine (a None value: as if absent, like dict.get). */
+            PyObject *ld = PyDict_GetItemWithError(load, name), *hit = name;
+            if ((ld == NULL && !PyErr_Occurred()) || ld == Py_None) {
+                ld = PyDict_GetItemWithError(load, engine);
+                hit = engine;
+            }
+            if (ld == NULL && PyErr_Occurred())
+                goto fail;
+            if (ld != NULL && ld != Py_None) {
+                if (PySet_Add(used, hit) < 0 || (ld0 = item(ld, 0)) == NULL || (ld1 = item(ld, 1)) == NULL)
+                    goto fail;
+                src = src_caller;
+            }
+        }
+        if (ld0 == NULL && in_flight != NULL) {
+            PyObject *f = PyDict_GetItemWithError(in_flight, key);
+            if (f == NULL && PyErr_Occurred())
+                goto fail;
+            if (f != NULL && f != Py_None) {
+                if ((ld0 = item(f, 0)) == NULL || (ld1 = item(f, 1)) == NULL)
+                    goto fail;
+                int t0 = PyObject_IsTrue(ld0), t1 = t0 ? 1 : PyObject_IsTrue(ld1);
+                if (t0 < 0 || t1 < 0)
+                    goto fail;
+                if (t0 || t1) {
+                    src = src_index;
+                } else {
+                    Py_CLEAR(ld0);
+                    Py_CLEAR(ld1);
+                }
+            }
+        }
+        if (ld0 == NULL) {
+            ld0 = kvi_ZERO;
+            ld1 = kvi_ZERO;
+            Py_INCREF(ld0);
+            Py_INCREF(ld1);
+        }
+        long long pre = 0, p0;
+        double dec;
+        if (bs) {
+            if ((got = small_int(ld0, &p0)) <= 0)
+                goto bad;
+            pre = -floordiv(-p0, bs);
+        } else if (!PyLong_Check(ld0)) {
+            goto bad; /* the reference adds it nowhere, but an int is what it reports */
+        }
+        if ((got = as_double(ld1, &dec)) <= 0 || pre + qb >= EXACT || pre + qb <= -EXACT)
+            goto bad;
+        double x = (double)(pre + qb) - score;
+        double cost = scale * (0.0 > x ? 0.0 : x) + dec; /* max(x, 0.0): x unless 0.0 > x */
+        if (isnan(cost) || isnan(score))
+            goto bad;
+        if (link != NULL) {
+            PyObject *lk = PyDict_GetItemWithError(link, key);
+            if (lk == NULL && PyErr_Occurred())
+                goto fail;
+            if (lk != NULL && lk != Py_None) {
+                PyObject *ever = item(lk, 1);
+                if (ever == NULL || (conn = item(lk, 0)) == NULL) {
+                    Py_XDECREF(ever);
+                    goto fail;
+                }
+                int t = PyObject_IsTrue(ever);
+                Py_DECREF(ever);
+                if (t < 0)
+                    goto fail;
+                never = !t;
+            } else {
+                conn = Py_None;
+                Py_INCREF(conn);
+            }
+        } else {
+            conn = Py_True;
+            Py_INCREF(conn);
+        }
+        if (wm != NULL) {
+            if ((cached = PyNumber_Negative(PyTuple_GET_ITEM(wm, 1))) == NULL)
+                goto fail;
+        } else {
+            cached = kvi_ZERO;
+            Py_INCREF(cached);
+        }
+        if ((score_o = same_float(score + 0.0, &last_score)) == NULL || (cost_o = same_float(cost, &last_cost)) == NULL)
+            goto fail;
+        {
+            PyObject *lvals[N_LOAD] = {ld0, ld1, src};
+            int is_idle = src == idle && ld0 == kvi_ZERO && ld1 == kvi_ZERO; /* set just above */
+            if (load_cls != NULL && is_idle && idle_ld != NULL) {
+                ld_o = idle_ld;
+                Py_INCREF(ld_o);
+            } else {
+                ld_o = load_cls != NULL ? PyObject_Vectorcall(load_cls, lvals, N_LOAD, NULL)
+                                        : filled(load_tpl, load_keys, lvals, N_LOAD);
+                if (ld_o != NULL && load_cls != NULL && is_idle) {
+                    idle_ld = ld_o;
+                    Py_INCREF(idle_ld);
+                }
+            }
+            if (ld_o == NULL)
+                goto fail;
+            PyObject *vals[N_ENTRY] = {name, engine, rk, score_o, cached, pb, cost_o, st, conn, ld_o};
+            entry = entry_cls != NULL ? PyObject_Vectorcall(entry_cls, vals, N_ENTRY, NULL)
+                                      : filled(entry_tpl, entry_keys, vals, N_ENTRY);
+            if (entry == NULL)
+                goto fail;
+        }
+        cs[k++] = (Cand){never, cost, -score, engine, r, entry, wm};
+        goto next;
+    bad:
+        step = got < 0 ? -1 : DECLINE;
+        goto next;
+    fail:
+        step = -1;
+    next:
+        Py_XDECREF(name);
+        Py_XDECREF(ld0);
+        Py_XDECREF(ld1);
+        Py_XDECREF(conn);
+        Py_XDECREF(score_o);
+        Py_XDECREF(cost_o);
+        Py_XDECREF(cached);
+        Py_XDECREF(ld_o);
+        if (step) {
+            err = step;
+            goto done;
+        }
+    }
+    qsort(cs, (size_t)k, sizeof(Cand), by_key);
+    out = PyList_New(k);
+    if (out == NULL) {
+        err = -1;
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (-cs[i].negscore > top)
+            top = -cs[i].negscore; /* max(): the first of equal ones (never a -0.0 here) */
+        PyList_SET_ITEM(out, i, cs[i].entry);
+        cs[i].entry = NULL;
+    }
+done:
+    for (Py_ssize_t i = 0; cs != NULL && i < k; i++)
+        Py_XDECREF(cs[i].entry);
+    PyObject *res = NULL;
+    if (err == 0) {
+        PyObject *best = k > 0 && cs[0].wm != NULL ? cs[0].wm : Py_None;
+        res = Py_BuildValue("(NdO)", out, top, best); /* steals out; best is held by `workers` */
+        out = NULL;
+    }
+    Py_XDECREF(out);
+    PyMem_Free(wms.slots);
+    Py_XDECREF(last_score);
+    Py_XDECREF(last_cost);
+    Py_XDECREF(idle_ld);
+    if (key != NULL) {
+        PyTuple_SET_ITEM(key, 0, NULL); /* borrowed: not released with the tuple */
+        PyTuple_SET_ITEM(key, 1, NULL);
+        Py_DECREF(key);
+    }
+    PyMem_Free(cs);
+    if (err == DECLINE) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    return res;
+}
+
+KVI_HIDDEN PyMethodDef kvi_ranking_methods[] = {
+    {"rank", (PyCFunction)(void (*)(void))rank, METH_FASTCALL, rank_doc},
+    {NULL, NULL, 0, NULL},
+};
