@@ -136,26 +136,28 @@ class Server(Child):
         super().__init__(["serve", "--host", "127.0.0.1", "--port", "0", *args], Path(log), env, preexec_fn)
         try:
             self.port = bound_port(self.output, self.proc, "kv-indexer serve")
-            self.client = Client(self.port)  # one connection for the probes and the test after
+        except BaseException:
+            super().stop()  # nobody else holds this server yet: its process and log end here
+            raise
+        self.client = Client(self.port)  # one connection for the probes and the test after
 
-            def healthy() -> bool:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"kv-indexer serve exited {self.proc.returncode}: {self.output()}")
-                try:
-                    return self.client.get("/healthz")[0] == 200
-                except OSError:
-                    return False
+        def healthy() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kv-indexer serve exited {self.proc.returncode}: {self.output()}")
+            try:
+                return self.client.get("/healthz")[0] == 200
+            except OSError:
+                return False
 
+        try:
             wait_until(healthy, 30, 0.05, msg=lambda: f"kv-indexer serve to answer /healthz: {self.output()}")
         except BaseException:
-            self.stop()  # nobody else holds this server yet: its process, log and socket end here
+            self.stop()  # its process, log and socket end here
             raise
 
     def stop(self) -> None:
         super().stop()
-        client = getattr(self, "client", None)  # absent when the child never said its port
-        if client is not None:
-            client.close()
+        self.client.close()
 
 
 class Client:
