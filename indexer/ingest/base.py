@@ -10,19 +10,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from indexer.transport.discovery import Registry
+
 if TYPE_CHECKING:
     from indexer.ingest.jetstream import JetStreamIngest
     from indexer.ingest.live import Indexer
     from indexer.query.answers import MatchResult
     from indexer.query.index import PrefixIndex
-    from indexer.wire.engines import EngineConfig
 
 __all__ = ["Ingest"]
 
 
 @runtime_checkable
-class Ingest(Protocol):
-    """One index fed from outside by a background thread."""
+class Ingest(Registry, Protocol):
+    """One index fed from outside by a background thread: a discovery :class:`Registry`
+    (``index``, ``engines``, ``add_engine``, ``remove_engine``) and the rest below."""
 
     index: PrefixIndex
     # (engine, dp_rank) -> (live socket connected, replay socket connected); a worker
@@ -45,12 +47,6 @@ class Ingest(Protocol):
     async def astart(self) -> None: ...
 
     async def astop(self) -> None: ...
-
-    def engines(self) -> list[EngineConfig]: ...
-
-    def add_engine(self, engine: Any = None, *, via: str = "library", **fields: Any) -> EngineConfig: ...
-
-    def remove_engine(self, engine_id: str, dp_rank: int | None = None, *, via: str = "library") -> bool: ...
 
     def resync(self, engine_id: str) -> None: ...
 
