@@ -135,6 +135,24 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     nats_stream: Annotated[str, Meta(description="JetStream stream of the event log")] = "KVI_EVENTS"
     nats_subject: Annotated[str, Meta(description="subject the relay publishes batches on")] = "kvi.events"
     nats_bucket: Annotated[str, Meta(description="JetStream object-store bucket of snapshots")] = "kvi-snapshots"
+    # Core NATS is enough: decisions, ends and heartbeats are messages, not a log.
+    route_sync: Annotated[str | None, Meta(description=(
+        "NATS server shared by router replicas: each replica's routing decisions and their ends reach the "
+        "others, so every /v1/route sees the whole fleet's in flight (docs/state.md); unset = this replica's "
+        "own view"))] = None
+    route_sync_subject: Annotated[str, Meta(description=(
+        "subject prefix of route sync (replicas of one fleet share it)"))] = "kvi.route"
+    route_sync_token: Annotated[str | None, Meta(description=(
+        "route sync's NATS auth token (prefer route_sync_token_file or the environment)"))] = None
+    route_sync_token_file: Annotated[str | None, Meta(description="a file holding route_sync_token")] = None
+    route_sync_creds: Annotated[str | None, Meta(description=(
+        "route sync's NATS credentials file (.creds: user JWT and NKey seed)"))] = None
+    # A peer silent for three heartbeats is gone: its requests leave within 4 heartbeats.
+    route_sync_heartbeat_s: Annotated[float, Meta(description=(
+        "seconds between route sync heartbeats; a replica silent for 3 of them is dropped with its requests"))] = 1.0
+    route_sync_join_timeout_s: Annotated[float, Meta(description=(
+        "seconds /readyz waits for route sync to reach NATS and fetch the other replicas' requests; then ready "
+        "on this replica's own view"))] = 5.0
     log_level: Annotated[str, Meta(description="critical, error, warning, info or debug")] = "info"
     log_json: Annotated[bool, Meta(description="log one JSON object per line")] = False
     access_log: Annotated[bool, Meta(description="log every HTTP request")] = False
@@ -197,6 +215,15 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
             bad("bootstrap_from", f"must be an http:// or https:// URL, got {self.bootstrap_from!r}")
         if self.nats_url is not None and not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
             bad("nats_url", f"must be a nats://, tls://, ws:// or wss:// URL, got {self.nats_url!r}")
+        if self.route_sync is not None and not self.route_sync.startswith(("nats://", "tls://", "ws://", "wss://")):
+            bad("route_sync", f"must be a nats://, tls://, ws:// or wss:// URL, got {self.route_sync!r}")
+        if not self.route_sync_subject or any(c.isspace() or c in "*>" for c in self.route_sync_subject):
+            bad("route_sync_subject", f"must be a NATS subject without wildcards, got {self.route_sync_subject!r}")
+        for name in ("route_sync_heartbeat_s", "route_sync_join_timeout_s"):
+            if not getattr(self, name) > 0:
+                bad(name, f"must be > 0, got {getattr(self, name)}")
+        if self.route_sync_token is not None and self.route_sync_creds is not None:
+            bad("route_sync_token", "set route_sync_token or route_sync_creds, not both")
         for name in ("nats_stream", "nats_bucket"):
             v = getattr(self, name)
             if not v or not all(c.isalnum() or c in "-_" for c in v):
@@ -255,8 +282,9 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     def redacted(self) -> dict[str, Any]:
         """These settings as JSON-able builtins, the token hidden (for printing and logs)."""
         out: dict[str, Any] = msgspec.to_builtins(self)
-        if self.api_token is not None:
-            out["api_token"] = "<redacted>"
+        for name in ("api_token", "route_sync_token"):
+            if out.get(name) is not None:
+                out[name] = "<redacted>"
         return out
 
 
@@ -268,6 +296,20 @@ FIELDS: dict[str, str] = {
 }
 # Settings whose environment value is JSON (the rest are scalars, parsed by type).
 _JSON_FIELDS = ("engines", "credits", "discovery", "tokenizers")
+
+
+def _token_from_file(merged: dict[str, Any], token: str, file: str) -> None:
+    """Read setting ``token`` from the file setting ``file`` names, when it names one."""
+    path = merged.get(file)
+    if not path:
+        return
+    if merged.get(token):
+        raise SettingsError(f"set {token} or {file}, not both")
+    try:
+        with open(path, encoding="utf-8") as f:
+            merged[token] = f.read().strip()
+    except (OSError, UnicodeError) as e:
+        raise SettingsError(f"{file} {path}: {getattr(e, 'strerror', None) or e}") from None
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
@@ -325,15 +367,8 @@ def load_settings(
         raise SettingsError(f"unknown setting(s): {', '.join(unknown)} (known: {', '.join(FIELDS)})")
     if isinstance(merged.get("allowed_endpoints"), str):  # KVI_ALLOWED_ENDPOINTS=a,b (JSON lists work too)
         merged["allowed_endpoints"] = [x.strip() for x in merged["allowed_endpoints"].split(",") if x.strip()]
-    token_file = merged.get("api_token_file")
-    if token_file:
-        if merged.get("api_token"):
-            raise SettingsError("set api_token or api_token_file, not both")
-        try:
-            with open(token_file, encoding="utf-8") as f:
-                merged["api_token"] = f.read().strip()
-        except (OSError, UnicodeError) as e:
-            raise SettingsError(f"api_token_file {token_file}: {getattr(e, 'strerror', None) or e}") from None
+    for token, file in (("api_token", "api_token_file"), ("route_sync_token", "route_sync_token_file")):
+        _token_from_file(merged, token, file)
     try:
         # str_values: environment values arrive as text ("8080", "true").
         return msgspec.convert(merged, Settings, strict=False)

@@ -130,6 +130,9 @@ def build_parser(prog: str = "kv-indexer") -> argparse.ArgumentParser:
     s.add_argument("--snapshot-interval-s", type=float, metavar="S", help=FIELDS["snapshot_interval_s"])
     s.add_argument("--bootstrap-from", metavar="URL", help=FIELDS["bootstrap_from"])
     s.add_argument("--nats", dest="nats_url", metavar="URL", help=FIELDS["nats_url"])
+    s.add_argument("--route-sync", metavar="URL", help=FIELDS["route_sync"])
+    s.add_argument("--route-sync-token-file", metavar="FILE", help=FIELDS["route_sync_token_file"])
+    s.add_argument("--route-sync-creds", metavar="FILE", help=FIELDS["route_sync_creds"])
     s.add_argument("--demo", action="store_true", default=None, help=FIELDS["demo"])
     s.add_argument("--demo-speedup", type=float, help=FIELDS["demo_speedup"])
     s.add_argument("--tokenizer", action="append", metavar="MODEL=DIR",

@@ -43,6 +43,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "snapshot_interval_s": args.snapshot_interval_s,
         "bootstrap_from": args.bootstrap_from,
         "nats_url": args.nats_url,
+        "route_sync": args.route_sync,
+        "route_sync_token_file": args.route_sync_token_file,
+        "route_sync_creds": args.route_sync_creds,
     }
     if args.tokenizer:
         pairs = [t.partition("=") for t in args.tokenizer]
