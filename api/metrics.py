@@ -23,6 +23,7 @@ from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
     from api.auth import Auth
+    from api.routesync import RouteSyncLike
     from api.state import StateKeeper
     from indexer.ingest.base import Ingest
 
@@ -80,7 +81,8 @@ class _Histograms:
 class Metrics:
     """The registry of one app: histograms observed per query, the rest read on scrape."""
 
-    def __init__(self, index: Any, ingest: Ingest, api_errors: dict, auth: Auth, state: StateKeeper) -> None:
+    def __init__(self, index: Any, ingest: Ingest, api_errors: dict, auth: Auth, state: StateKeeper,
+                 route_sync: RouteSyncLike) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.query_seconds = _Histograms(
             f"{NS}_query_duration_seconds", "Time to answer a query route, in the handler.", _LATENCY_BUCKETS)
@@ -88,7 +90,7 @@ class Metrics:
             f"{NS}_query_matched_blocks", "Longest prefix (blocks, all tiers) of the best worker per query.",
             _BLOCK_BUCKETS)
         self.registry.register(_IndexCollector(index, ingest, api_errors, (self.query_seconds, self.matched_blocks),
-                                               auth, state))
+                                               auth, state, route_sync))
 
     def observe(self, route: str, seconds: float, blocks: int) -> None:
         """Count one query of ``route`` in both histograms (one frame: it runs per query)."""
@@ -102,8 +104,9 @@ class Metrics:
 
 class _IndexCollector:
     def __init__(self, index: Any, ingest: Ingest, api_errors: dict, histograms: tuple, auth: Auth,
-                 state: StateKeeper) -> None:
+                 state: StateKeeper, route_sync: RouteSyncLike) -> None:
         self.index = index
+        self.route_sync = route_sync  # kvi_route_sync_* (none without route sync)
         self.state = state  # api.state.StateKeeper: snapshots loaded and written
         self.ingest = ingest
         self.api_errors = api_errors  # {(route path, status): n}, kept by the app
@@ -233,6 +236,7 @@ class _IndexCollector:
         if self.ingest.counters:  # a JetStream replica's (indexer.ingest.jetstream); the ZMQ ingest has none
             yield from _jetstream(self.ingest)
         yield from _snapshots(self.state)
+        yield from self.route_sync.families()
 
 
 def _snapshots(k: StateKeeper):

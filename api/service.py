@@ -60,7 +60,7 @@ class Service:
         self.route_sync: RouteSyncLike = route_sync_for(settings, index)
         self.auth = Auth(settings.api_token, settings.auth_reads) if settings.api_token else OpenAuth()
         self.api_errors: dict[tuple[str, int], int] = {}
-        self.metrics = Metrics(index, self.ingest, self.api_errors, self.auth, self.state)
+        self.metrics = Metrics(index, self.ingest, self.api_errors, self.auth, self.state, self.route_sync)
         # Each model's tokenizer (prompt / messages requests), loaded now: a bad directory stops the start.
         self.text = text.Texts(dict(settings.tokenizers), settings.max_request_tokens, index)
         self.decisions = Decisions()  # recent routing decisions, for the page (api/ui.py)

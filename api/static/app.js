@@ -96,6 +96,14 @@
       ["queries/s", last ? num(last.queries_s) : "–"],
       ["in flight", num(st.in_flight.requests)],
     ];
+    const rs = st.route_sync;
+    if (rs) {  // several router replicas: whether this one sees the others' decisions
+      const peers = Object.keys(rs.peers).length;
+      const theirs = Object.entries(rs.held).filter(([o]) => o !== "").reduce((a, [, n]) => a + n, 0);
+      items.push(["route sync", rs.connected
+        ? `${peers} peer${peers === 1 ? "" : "s"} · ${num(theirs)} of theirs`
+        : `<span class="why">NATS down: own view only</span>`]);
+    }
     $("#summary").innerHTML = items.map(([k, v]) => `<span class="stat" data-stat="${k}">${k} <b>${v}</b></span>`).join("");
   }
 
