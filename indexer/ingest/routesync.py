@@ -220,6 +220,12 @@ class RouteSync(Background):
             self._loop = None
             self.connected = False
             self.joined.set()
+            pending = asyncio.all_tasks(loop)  # NATS's own readers and our sends: ended, not abandoned
+            for task in pending:
+                task.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
 
     async def _main(self, loop: asyncio.AbstractEventLoop) -> None:

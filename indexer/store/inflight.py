@@ -441,10 +441,11 @@ class InFlight(PeerFlight):
 
     def _end(self, req: _Req, why: str) -> None:
         self.counters[why] += 1
-        ended = self._ended
-        ended[req.id] = None
-        if len(ended) > self.max_in_flight:
-            del ended[next(iter(ended))]
+        if why != "peer_dropped":  # a peer's request we stopped following has not ended: it may come back
+            ended = self._ended
+            ended[req.id] = None
+            if len(ended) > self.max_in_flight:
+                del ended[next(iter(ended))]
         if req.prefill_open:
             self._close_prefill(req)
         if req.decode_open:
