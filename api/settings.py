@@ -114,6 +114,11 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         "seconds a route's prediction and prefill load last when its worker never announces the blocks"))] = 30.0
     decode_ttl_s: Annotated[float, Meta(description=(
         "seconds a route's decode load (max_tokens) lasts without POST /v1/route/{id}/done"))] = 300.0
+    # Replicas that route in the same instant cannot see each other's decisions; each
+    # starting ties at its own place spreads a burst as one router would (no herding).
+    replica_slot: Annotated[str, Meta(description=(
+        "this router's place among N replicas routing the same fleet, SLOT/N with 0 <= SLOT < N: where "
+        "/v1/route starts a tie on cost and score (0/1 = one router: engine id, then rank)"))] = "0/1"
     # Beyond it, the oldest is forgotten (counted).
     max_in_flight: Annotated[int, Meta(description=(
         "routed requests kept in flight at most (the oldest beyond are forgotten, counted)"))] = 20_000
@@ -230,6 +235,10 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
                 bad(name, f"must be letters, digits, '-' and '_', got {v!r}")
         if not self.nats_subject or any(c.isspace() or c in "*>" for c in self.nats_subject):
             bad("nats_subject", f"must be a NATS subject without wildcards, got {self.nats_subject!r}")
+        try:
+            self.tie_slot()
+        except ValueError as err:
+            bad("replica_slot", str(err))
         if self.max_in_flight < 1:
             bad("max_in_flight", f"must be >= 1, got {self.max_in_flight}")
         for tier, c in self.credits.items():
@@ -274,6 +283,21 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
             "decode_ttl_s": self.decode_ttl_s,
             "max_in_flight": self.max_in_flight,
         }
+
+    def tie_slot(self) -> tuple[int, int]:
+        """``replica_slot`` as ``(slot, of)`` (``PrefixIndex.set_tie_slot``'s arguments).
+
+        Raises
+        ------
+        ValueError
+            Unless it is ``SLOT/N``, ASCII digits, with ``0 <= SLOT < N``.
+        """
+        slot, sep, of = self.replica_slot.strip().partition("/")
+        if not (sep and slot.strip().isdigit() and of.strip().isdigit() and slot.isascii() and of.isascii()):
+            raise ValueError(f"must be SLOT/N (e.g. 0/3), got {self.replica_slot!r}")
+        if not int(slot) < int(of):
+            raise ValueError(f"must be SLOT/N with 0 <= SLOT < N, got {self.replica_slot!r}")
+        return int(slot), int(of)
 
     def endpoint_policy(self) -> EndpointPolicy:
         """What the service may connect to: tcp only, within ``allowed_endpoints``."""

@@ -120,6 +120,7 @@ def build_parser(prog: str = "kv-indexer") -> argparse.ArgumentParser:
                    help="may be given several times: " + FIELDS["allowed_endpoints"])
     s.add_argument("--ready-fraction", type=float, help=FIELDS["ready_fraction"])
     s.add_argument("--predicted-credit", type=float, help=FIELDS["predicted_credit"])
+    s.add_argument("--replica-slot", metavar="SLOT/N", help=FIELDS["replica_slot"])
     s.add_argument("--prefill-ttl-s", type=float, help=FIELDS["prefill_ttl_s"])
     s.add_argument("--decode-ttl-s", type=float, help=FIELDS["decode_ttl_s"])
     s.add_argument("--max-in-flight", type=int, help=FIELDS["max_in_flight"])

@@ -36,6 +36,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "allowed_endpoints": args.allowed_endpoint,
         "ready_fraction": args.ready_fraction,
         "predicted_credit": args.predicted_credit,
+        "replica_slot": args.replica_slot,
         "prefill_ttl_s": args.prefill_ttl_s,
         "decode_ttl_s": args.decode_ttl_s,
         "max_in_flight": args.max_in_flight,
