@@ -134,4 +134,6 @@ def route_sync_for(settings: Settings, index: PrefixIndex) -> RouteSyncLike:
     return SyncedRoutes(RouteSync(index, settings.route_sync, subject=settings.route_sync_subject,
                      heartbeat_s=settings.route_sync_heartbeat_s, join_timeout_s=settings.route_sync_join_timeout_s,
                      token=settings.route_sync_token, user_credentials=settings.route_sync_creds,
-                     name=f"{socket.gethostname()}:{settings.port}"))
+                     name=f"{socket.gethostname()}:{settings.port}",
+                     # Its place among the live replicas breaks ties (replica_slot's, kept up to date).
+                     on_members=index.set_tie_slot))

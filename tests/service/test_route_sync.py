@@ -117,7 +117,7 @@ def test_R_SYNC_3_goodbye_drops_at_once_and_silence_within_the_peer_timeout(nats
     rb.stop()  # a goodbye
     wait_until(lambda: not theirs(a, b.origin), 2, msg="b's requests leave a after its goodbye")
     # A replica killed (SIGKILL: no goodbye) goes silent: its requests leave within the bound.
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, natsd.url], stdout=subprocess.PIPE, text=True,
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, natsd.url, str(HB)], stdout=subprocess.PIPE, text=True,
                              cwd=str(ROOT), env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"})
     try:
         line = child.stdout.readline().split()  # type: ignore[union-attr]
@@ -149,14 +149,14 @@ from indexer.ingest.routesync import RouteSync
 from evkit import toks
 idx = PrefixIndex()
 idx.register_worker("e0", 0)
-rs = RouteSync(idx, sys.argv[1], heartbeat_s=%r)
+rs = RouteSync(idx, sys.argv[1], heartbeat_s=float(sys.argv[2]))
 rs.start()
 while not rs.ready:
     time.sleep(0.01)
 rid = idx.route(toks(4242, 4, 16), max_tokens=8)["request_id"]
 print("routed", idx.origin, rid, flush=True)
 time.sleep(600)
-""" % HB
+"""
 
 
 def _restart_and_wait(natsd: NatsServer, syncs: list[RouteSync]) -> None:
