@@ -241,7 +241,7 @@ def test_R_SYNC_1_keys_survive_the_wire_as_uint64(natsd, replicas):
     assert isinstance(kb, array) and list(kb) == list(ka) and len(ka) == 6
 
 
-def test_R_SYNC_auth_a_token_is_used_and_without_it_the_replica_is_ready_on_its_own_view(tmp_path, replicas):
+def test_route_sync_uses_the_nats_token_and_without_it_the_replica_is_ready_on_its_own_view(tmp_path, replicas):
     class TokenNats(NatsServer):
         def start(self, timeout: float = 10.0) -> None:  # nats-server --auth TOKEN
             import subprocess

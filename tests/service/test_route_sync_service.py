@@ -31,7 +31,7 @@ def origin(s: Server) -> str:
     return s.client.get("/v1/stats")[1]["route_sync"]["origin"]
 
 
-def test_R_SYNC_three_serve_replicas_one_view_kill_join_and_nats_restart(tmp_path):
+def test_R_SYNC_1_R_SYNC_3_R_SYNC_4_R_SYNC_5_three_serve_replicas_one_view_kill_join_and_nats_restart(tmp_path):
     with NatsServer(tmp_path / "nats") as ns, PortHold() as h0, PortHold() as h1, PortHold() as h2:
         engines = [h0, h1, h2]
         reps = [serve(ns.url, engines) for _ in range(3)]
