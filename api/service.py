@@ -19,8 +19,10 @@ from api.common import off_loop
 from api.discovery import NoDiscovery, discovery_for
 from api.dynamo import Dynamo
 from api.jsonroutes import Endpoints, JsonSpec
+from api.ledger import Ledger
 from api.metrics import Metrics
 from api.routes.admin import EngineAdmin
+from api.routes.gateway import GatewayLike, gateway_for
 from api.routes.query import Queries
 from api.routesync import RouteSyncLike, route_sync_for
 from api.settings import Settings
@@ -60,7 +62,9 @@ class Service:
         self.route_sync: RouteSyncLike = route_sync_for(settings, index)
         self.auth = Auth(settings.api_token, settings.auth_reads) if settings.api_token else OpenAuth()
         self.api_errors: dict[tuple[str, int], int] = {}
-        self.metrics = Metrics(index, self.ingest, self.api_errors, self.auth, self.state, self.route_sync)
+        self.ledger = Ledger()  # the gateway's predicted against delivered cached tokens
+        self.metrics = Metrics(index, self.ingest, self.api_errors, self.auth, self.state,
+                               (self.route_sync, self.ledger))
         # Each model's tokenizer (prompt / messages requests), loaded now: a bad directory stops the start.
         self.text = text.Texts(dict(settings.tokenizers), settings.max_request_tokens, index)
         self.decisions = Decisions()  # recent routing decisions, for the page (api/ui.py)
@@ -68,6 +72,9 @@ class Service:
         self.queries: Queries = Queries(settings, index, self.ingest, self.metrics, self.text, self.decisions)
         self.admin: EngineAdmin = EngineAdmin(settings, index, self.ingest)
         self.dynamo: Dynamo = Dynamo(self)
+        # The OpenAI gateway in front of the engines.
+        self.gateway: GatewayLike = gateway_for(settings, index, self.ingest, self.text, self.ledger, self.decisions,
+                                                self.auth)
         self.endpoints: Endpoints = Endpoints((spec.bind(self) for spec in routes), settings.max_request_bytes,
                                    self.api_errors, settings.fast_path)
 
@@ -129,6 +136,7 @@ class Service:
         (the app's shutdown)."""
         await off_loop(self.discovery.stop)
         await self.route_sync.astop()  # its goodbye: the other replicas drop our requests now
+        await self.gateway.close()
         await self.ingest.astop()
         self.text.close()
         await off_loop(self.state.final)  # after ingest stopped: the last state exactly

@@ -32,6 +32,7 @@ class Discovery(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     replay_port: int | None = None
     # vLLM's HTTP port on each address: its /metrics correct the in-flight load estimate.
     metrics_port: int | None = None
+    api_port: int | None = None  # vLLM's OpenAI server: the gateway forwards there
     dp_size: int = 1
     model: str = "default"
     topic: str = ""
@@ -46,8 +47,10 @@ class Discovery(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
             v = getattr(self, name)
             if v is not None and not 1 <= v + self.dp_size - 1 <= 65535:
                 raise SettingsError(f"{name}: ports {v}..{v + self.dp_size - 1} must be 1..65535")
-        if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
-            raise SettingsError(f"metrics_port must be 1..65535, got {self.metrics_port}")
+        for name in ("metrics_port", "api_port"):
+            v = getattr(self, name)
+            if v is not None and not 1 <= v <= 65535:
+                raise SettingsError(f"{name} must be 1..65535, got {v}")
         if not 1 <= self.dp_size <= 1024:
             raise SettingsError(f"dp_size must be 1..1024, got {self.dp_size}")
         if not self.interval_s > 0 or self.grace_s < 0:
@@ -65,7 +68,7 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         "metrics_url})"))] = ()
     # Engines found by DNS (a Kubernetes headless Service), besides the static list.
     discovery: Annotated[Discovery | None, Meta(description=(
-        "engines by DNS: {dns_name, port, replay_port, metrics_port, dp_size, model, topic, interval_s, "
+        "engines by DNS: {dns_name, port, replay_port, metrics_port, api_port, dp_size, model, topic, interval_s, "
         "grace_s}"))] = None
     # Score credit per block served from each tier (contract R-Q-3).
     credits: Annotated[dict[str, float], Meta(description=(
@@ -124,6 +127,18 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         "routed requests kept in flight at most (the oldest beyond are forgotten, counted)"))] = 20_000
     metrics_interval_s: Annotated[float, Meta(description=(
         "seconds between scrapes of engines' vLLM /metrics (engines with a metrics_url)"))] = 2.0
+    # The gateway (docs/gateway.md): /v1/completions and /v1/chat/completions forwarded to
+    # the engines' api_url. A CPU engine's first token can take a minute under load.
+    gateway_connect_timeout_s: Annotated[float, Meta(description=(
+        "gateway: seconds to connect to an engine (a refusal or timeout is retried once on the next worker)"))] = 5.0
+    gateway_first_token_timeout_s: Annotated[float, Meta(description=(
+        "gateway: seconds an engine may take to its response headers and first chunk"))] = 300.0
+    gateway_idle_timeout_s: Annotated[float, Meta(description=(
+        "gateway: seconds an engine may stay silent between two chunks of a stream"))] = 120.0
+    # Beyond it the next-ranked worker with room takes the request; none has room: 429.
+    gateway_max_per_worker: Annotated[int, Meta(description=(
+        "gateway: requests in flight to one worker at most; the next-ranked worker takes the rest, and when "
+        "every worker is full the client gets 429"))] = 256
     # Warm restarts: a mounted volume.
     state_dir: Annotated[str | None, Meta(description=(
         "directory of the index's snapshot (warm restart: loaded at start, written every "
@@ -210,6 +225,11 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         for name in ("prefill_ttl_s", "decode_ttl_s"):
             if not getattr(self, name) > 0:
                 bad(name, f"must be > 0, got {getattr(self, name)}")
+        for name in ("gateway_connect_timeout_s", "gateway_first_token_timeout_s", "gateway_idle_timeout_s"):
+            if not getattr(self, name) > 0:
+                bad(name, f"must be > 0, got {getattr(self, name)}")
+        if self.gateway_max_per_worker < 1:
+            bad("gateway_max_per_worker", f"must be >= 1, got {self.gateway_max_per_worker}")
         if not self.metrics_interval_s > 0:
             bad("metrics_interval_s", f"must be > 0, got {self.metrics_interval_s}")
         if self.snapshot_interval_s < 0:

@@ -193,6 +193,19 @@ class Query(Prefixes):
         with self._lock:
             self.inflight.correct(worker, waiting, running, t)
 
+    def route_first_token(self, request_id: str) -> bool:
+        """Request ``request_id`` (a route's answer) returned its first token: its prefill
+        load ends (its predicted prefix stays until announced). False when not in prefill."""
+        with self._lock:
+            return self.inflight.first_token(request_id)
+
+    def headline_block_size(self, model: str | None) -> int:
+        """The block size ``model``'s answers count in (its headline group's; the default
+        block size before its first store). Raises KeyError for an unknown model."""
+        with self._lock:
+            m = self.model_state(model)
+            return m.trees[m.default_groups()[0]].block_size if m.trees else self.default_block_size
+
     def route_done(self, request_id: str) -> bool | None:
         """Request ``request_id`` (a route's answer) finished: release its in-flight load
         (True). False when it had ended already (its prefill announced with no decode to

@@ -393,6 +393,21 @@ class InFlight(PeerFlight):
         self._end(req, "done")
         return True
 
+    def first_token(self, rid: str) -> bool:
+        """Request ``rid``'s first token came back (the gateway saw it): its prefill is
+        over, so its prefill load ends now; its predicted prefix stays until the worker
+        announces the blocks (or the TTL). False when it is not open in prefill."""
+        req = self.requests.get(rid)
+        if req is None or not req.prefill_open or not req.prefill_tokens:
+            return False
+        w = req.worker
+        pend = self.pending.get(w)
+        if pend and pend[0] is req:  # FIFO: the prefill that was running; a sample of the rate
+            self._learn_rate(req, self.clock())
+        _take(self.prefill, w, req.prefill_tokens)
+        req.prefill_tokens = 0
+        return True
+
     def _prefill_ended(self, req: _Req, why: str) -> None:
         """The prefill of ``req`` ended (``why``); with no decode to wait for, all of it."""
         if req.decode_open:
