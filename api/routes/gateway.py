@@ -63,21 +63,56 @@ def gateway_for(settings: Settings, index: PrefixIndex, ingest: Ingest, texts: T
 router = APIRouter()
 _OPENAI = {"description": "What the chosen engine answered (vLLM's OpenAI server), streamed when asked, with "
            "x-kvi-worker, x-kvi-request-id and x-kvi-predicted-cached-tokens headers; vLLM-shaped errors."}
+_ERR = {"content": {"application/json": {"schema": {
+    "type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}}}}}
+_ERRORS = {
+    **{s: {"description": d, **_ERR} for s, d in (
+        (400, "Not a JSON object, or no usable prompt / messages"), (404, "The model has no tokenizer, or no engine"),
+        (413, "Body or prompt over the limits"), (422, "The text does not tokenize"),
+        (429, "Every worker of the model is full (Retry-After)"), (501, "The gateway extra is not installed"),
+        (502, "No engine could be reached (after one retry)"), (503, "No engine of the model has an api_url"),
+        (504, "The engine did not answer in time"))},
+}
+
+
+def _body(kind: str, required: str) -> dict[str, Any]:
+    """The request body as vLLM's OpenAI server takes it: only what the gateway reads is
+    described; every other field goes to the engine as it is."""
+    text_or_ids = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                             {"type": "array", "items": {"type": "string"}},
+                             {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}]}
+    props: dict[str, Any] = {"model": {"type": "string"}, "stream": {"type": "boolean"},
+                             "max_tokens": {"type": "integer"}, "cache_salt": {"type": "string"},
+                             "stream_options": {"type": "object"}}
+    if kind == "chat":
+        props["messages"] = {"type": "array", "items": {"type": "object"}}
+        props["max_completion_tokens"] = {"type": "integer"}
+    else:
+        props["prompt"] = text_or_ids
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+        "type": "object", "required": [required], "properties": props, "additionalProperties": True,
+        "title": f"{kind.capitalize()}Request"}}}}}
 
 
 @router.post("/v1/completions", tags=["gateway"], summary="A completion, routed by the index to the engine "
-             "holding the longest prefix (OpenAI API, forwarded; docs/gateway.md)", responses={200: _OPENAI})
+             "holding the longest prefix (OpenAI API, forwarded; docs/gateway.md)",
+             responses={200: _OPENAI, **_ERRORS}, openapi_extra=_body("completion", "prompt"))
 async def completions(request: Request) -> Response:
     return await service_of(request).gateway.forward(request, "/v1/completions", False)
 
 
 @router.post("/v1/chat/completions", tags=["gateway"], summary="A chat completion, routed by the index "
-             "(OpenAI API, forwarded; docs/gateway.md)", responses={200: _OPENAI})
+             "(OpenAI API, forwarded; docs/gateway.md)", responses={200: _OPENAI, **_ERRORS},
+             openapi_extra=_body("chat", "messages"))
 async def chat_completions(request: Request) -> Response:
     return await service_of(request).gateway.forward(request, "/v1/chat/completions", True)
 
 
-@router.get("/v1/models", tags=["gateway"], summary="The engines' models (their /v1/models, merged)")
+@router.get("/v1/models", tags=["gateway"], summary="The engines' models (their /v1/models, merged)",
+            responses={503: {"description": "No engine has an api_url, or none answered", **_ERR}})
 async def models(request: Request) -> Response:
     return await service_of(request).gateway.models()
 
