@@ -63,12 +63,12 @@ def gateway_for(settings: Settings, index: PrefixIndex, ingest: Ingest, texts: T
 router = APIRouter()
 _OPENAI = {"description": "What the chosen engine answered (vLLM's OpenAI server), streamed when asked, with "
            "x-kvi-worker, x-kvi-request-id and x-kvi-predicted-cached-tokens headers; vLLM-shaped errors."}
-_ERR = {"content": {"application/json": {"schema": {
+_ERR: dict[str, Any] = {"content": {"application/json": {"schema": {
     "type": "object", "required": ["error"], "properties": {"error": {
         "type": "object", "required": ["message", "type", "code"],
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                        "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}}}}}
-_ERRORS = {
+_ERRORS: dict[int | str, dict[str, Any]] = {
     **{s: {"description": d, **_ERR} for s, d in (
         (400, "Not a JSON object, or no usable prompt / messages"), (404, "The model has no tokenizer, or no engine"),
         (413, "Body or prompt over the limits"), (422, "The text does not tokenize"),
