@@ -46,6 +46,10 @@ def test_R_SYNC_1_R_SYNC_3_R_SYNC_4_R_SYNC_5_three_serve_replicas_one_view_kill_
                 assert st == 200, out
                 rids[names[k % 3]].append(out["request_id"])
                 placed[out["worker"]] = placed.get(out["worker"], 0) + 1
+                # The next request comes after every replica heard of this one (a NATS hop,
+                # ~1 ms): one view, so they place the 12 as one router would.
+                for r in reps:
+                    wait_for(lambda r=r: sum(held(r).values()) == k + 1, 5, what="the decision reaches every replica")
             want = {n: 4 for n in names}
             for s in reps:
                 wait_for(lambda s=s: held(s) == want, 5, what=f"every replica holds 4 of each: {held(s)}")
