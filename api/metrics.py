@@ -82,7 +82,7 @@ class Metrics:
     """The registry of one app: histograms observed per query, the rest read on scrape."""
 
     def __init__(self, index: Any, ingest: Ingest, api_errors: dict, auth: Auth, state: StateKeeper,
-                 route_sync: RouteSyncLike) -> None:
+                 route_sync: RouteSyncLike, recording: Any = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.query_seconds = _Histograms(
             f"{NS}_query_duration_seconds", "Time to answer a query route, in the handler.", _LATENCY_BUCKETS)
@@ -90,7 +90,7 @@ class Metrics:
             f"{NS}_query_matched_blocks", "Longest prefix (blocks, all tiers) of the best worker per query.",
             _BLOCK_BUCKETS)
         self.registry.register(_IndexCollector(index, ingest, api_errors, (self.query_seconds, self.matched_blocks),
-                                               auth, state, route_sync))
+                                               auth, state, route_sync, recording))
 
     def observe(self, route: str, seconds: float, blocks: int) -> None:
         """Count one query of ``route`` in both histograms (one frame: it runs per query)."""
@@ -104,8 +104,9 @@ class Metrics:
 
 class _IndexCollector:
     def __init__(self, index: Any, ingest: Ingest, api_errors: dict, histograms: tuple, auth: Auth,
-                 state: StateKeeper, route_sync: RouteSyncLike) -> None:
+                 state: StateKeeper, route_sync: RouteSyncLike, recording: Any = None) -> None:
         self.index = index
+        self.recording = recording  # kvi_record_* (none without record_dir)
         self.route_sync = route_sync  # kvi_route_sync_* (none without route sync)
         self.state = state  # api.state.StateKeeper: snapshots loaded and written
         self.ingest = ingest
@@ -237,6 +238,8 @@ class _IndexCollector:
             yield from _jetstream(self.ingest)
         yield from _snapshots(self.state)
         yield from self.route_sync.families()
+        if self.recording is not None:
+            yield from self.recording.families()
 
 
 def _snapshots(k: StateKeeper):

@@ -152,7 +152,7 @@ class Recorder:
         """Queue a note (a sequencer's decision about a worker): shown by a replay, no state."""
         j = self.journal
         if j is not None and self.stopped is None:
-            j.mark(("note", time.time(), kind, engine, rank, detail))
+            j.note(kind, engine, rank, detail)
 
     # ------------------------------------------------------------------ the writer
 

@@ -103,6 +103,11 @@ class Journal:
         self._put((op, time.time(), args, r, times))
         return r
 
+    def note(self, kind: str, engine: str, rank: int, detail: Any = None) -> None:
+        """Queue a sequencer's decision about a worker (``replayed``, ``replay_requested``,
+        a counted outcome): shown by a replay, no state of its own. Any thread."""
+        self._put(("note", time.time(), kind, engine, rank, detail))
+
     def mark(self, item: tuple[Any, ...]) -> None:
         """Queue something that is not a call (a segment's base, a note), in order."""
         self._put(item)
