@@ -28,11 +28,12 @@ from typing import Any
 
 import msgspec
 
+from indexer._native import core as _core
 from indexer.query.index import PrefixIndex
-from indexer.wire.decode import decode_tokens
+from indexer.wire.decode import decode_event, decode_tokens, scan_gpu_batch
 from indexer.wire.keys import KEY_SEED, block_keys, seeds_for_blocks, tokens_to_bytes
 
-__all__ = ["MODES", "KeyedReplayIndex", "strip_payload", "strip_event"]
+__all__ = ["MODES", "KeyedReplayIndex", "expand_payload", "strip_payload", "strip_event"]
 
 MODES = ("none", "hashed", "full")
 _STORED = "BlockStored"
@@ -41,8 +42,10 @@ _STORED = "BlockStored"
 _P_HASHES, _P_TOKENS, _P_BS, _P_LORA, _P_EXTRA = 1, 3, 4, 7, 8
 
 
-def _keyed_tokens(tokens: Any, n: int, bs: int, lora: Any, extra: Any) -> list[int]:
-    """The key-carrying ids that stand for ``tokens`` (see the module)."""
+def _keyed_tokens(tokens: Any, n: int, bs: int, lora: Any, extra: Any, packed: bool) -> list[int] | bytes:
+    """What stands for ``tokens`` (see the module): the block keys as uint64 bytes when
+    ``packed`` (a recorded payload: :func:`expand_payload` makes the ids at replay), else
+    the key-carrying ids themselves."""
     ntok = len(tokens)
     if bs <= 0 or ntok == 0:
         return list(tokens)  # a placeholder: nothing keyed, nothing to hide
@@ -53,15 +56,22 @@ def _keyed_tokens(tokens: Any, n: int, bs: int, lora: Any, extra: Any) -> list[i
     if n == 0 or ntok != n * bs or bs < 2:
         return [0] * ntok
     seed = KEY_SEED if (not lora and not extra) else seeds_for_blocks(n, lora, extra)
-    out = [0] * ntok
-    for i, k in enumerate(block_keys(buf, bs, seed)):
+    keys = block_keys(buf, bs, seed)
+    return array("Q", keys).tobytes() if packed else _carrying(keys, bs)
+
+
+def _carrying(keys: Any, bs: int) -> list[int]:
+    """Key-carrying ids: block i's ``bs`` ids are [low 32 bits of key i, high 32 bits, 0...]."""
+    out = [0] * (len(keys) * bs)
+    for i, k in enumerate(keys):
         out[i * bs] = k & 0xFFFFFFFF
         out[i * bs + 1] = k >> 32
     return out
 
 
-def strip_event(ev: Any, mode: str) -> Any:
-    """One event (decoded msgpack, either layout) as ``mode`` keeps it; others unchanged."""
+def strip_event(ev: Any, mode: str, packed: bool = False) -> Any:
+    """One event (decoded msgpack, either layout) as ``mode`` keeps it; others unchanged.
+    ``packed``: a store's keys as uint64 bytes (see :func:`_keyed_tokens`)."""
     if isinstance(ev, dict):
         if ev.get("type") != _STORED:
             return ev
@@ -72,7 +82,7 @@ def strip_event(ev: Any, mode: str) -> Any:
             hashes = ev.get("block_hashes")
             ev["token_ids"] = [] if mode == "none" else _keyed_tokens(
                 toks, len(hashes) if isinstance(hashes, list) else 0, _int(ev.get("block_size")),
-                ev.get("lora_name"), ev.get("extra_keys"))
+                ev.get("lora_name"), ev.get("extra_keys"), packed)
         return ev
     if isinstance(ev, list) and len(ev) > _P_TOKENS and ev[0] == _STORED:
         ev = list(ev)
@@ -82,7 +92,7 @@ def strip_event(ev: Any, mode: str) -> Any:
             ev[_P_TOKENS] = [] if mode == "none" else _keyed_tokens(
                 toks, len(hashes) if isinstance(hashes, list) else 0,
                 _int(ev[_P_BS]) if len(ev) > _P_BS else 0,
-                ev[_P_LORA] if len(ev) > _P_LORA else None, ev[_P_EXTRA] if len(ev) > _P_EXTRA else None)
+                ev[_P_LORA] if len(ev) > _P_LORA else None, ev[_P_EXTRA] if len(ev) > _P_EXTRA else None, packed)
         return ev
     return ev
 
@@ -97,6 +107,10 @@ def strip_payload(payload: bytes, mode: str) -> bytes:
     as one byte that never decodes: its bytes could be anything, token ids included."""
     if mode == "full":
         return payload
+    if mode == "hashed":
+        fast = _plain_gpu(payload)
+        if fast is not None:
+            return fast
     try:
         batch = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError:
@@ -104,8 +118,70 @@ def strip_payload(payload: bytes, mode: str) -> bytes:
     if not (isinstance(batch, list) and len(batch) >= 2 and isinstance(batch[1], list)):
         return _UNDECODABLE
     batch = list(batch)
-    batch[1] = [strip_event(ev, mode) for ev in batch[1]]
+    batch[1] = [strip_event(ev, mode, True) for ev in batch[1]]
     return msgspec.msgpack.encode(batch)
+
+
+def _plain_gpu(payload: bytes) -> bytes | None:
+    """:func:`strip_payload` ``hashed`` of the common batch (plain GPU stores, map layout),
+    with no Python object per token: each store's ``token_ids`` array is cut out of the
+    payload and its block keys (hashed by the compiled core) put in its place. None for
+    any other batch (the general path decides)."""
+    if scan_gpu_batch is None or _core is None:
+        return None
+    sc = scan_gpu_batch(payload)
+    if sc is None:
+        return None
+    out: list[bytes] = []
+    pos = 0
+    for hashes, _, tokens, bs, _, _, start, end in sc[2]:
+        n = len(hashes) >> 3
+        if bs < 2 or len(tokens) != 4 * n * bs:
+            return None
+        ev = payload[start:end]
+        raw = bytes(decode_event(ev).token_ids)
+        i = ev.find(_TOKENS_KEY + raw)
+        if i < 0:
+            return None
+        keys = _core.block_keys(tokens, bs, KEY_SEED, n, 0, True)
+        j = i + len(_TOKENS_KEY)
+        out += (payload[pos:start], ev[:j], _bin(keys), ev[j + len(raw):])
+        pos = end
+    out.append(payload[pos:])
+    return b"".join(out)
+
+
+_TOKENS_KEY = b"\xa9token_ids"  # the key as msgpack (fixstr of 9)
+
+
+def _bin(b: bytes) -> bytes:
+    n = len(b)
+    if n < 256:
+        return b"\xc4" + bytes((n,)) + b
+    if n < 65536:
+        return b"\xc5" + n.to_bytes(2, "big") + b
+    return b"\xc6" + n.to_bytes(4, "big") + b
+
+
+def expand_payload(payload: bytes) -> bytes:
+    """A ``hashed`` recording's payload made applicable again: each store's block keys
+    (uint64 bytes) become its key-carrying ids. Other payloads unchanged."""
+    try:
+        batch = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError:
+        return payload
+    if not (isinstance(batch, list) and len(batch) >= 2 and isinstance(batch[1], list)):
+        return payload
+    changed = False
+    for i, ev in enumerate(batch[1]):
+        if isinstance(ev, dict) and isinstance(ev.get("token_ids"), bytes):
+            ev["token_ids"] = _carrying(array("Q", ev["token_ids"]).tolist(), _int(ev.get("block_size")))
+            changed = True
+        elif isinstance(ev, list) and len(ev) > _P_BS and isinstance(ev[_P_TOKENS], bytes):
+            ev[_P_TOKENS] = _carrying(array("Q", ev[_P_TOKENS]).tolist(), _int(ev[_P_BS]))
+            changed = True
+        batch[1][i] = ev
+    return msgspec.msgpack.encode(batch) if changed else payload
 
 
 _UNDECODABLE = b"\xc1"  # a byte msgpack never uses: refused again as undecodable
@@ -117,6 +193,10 @@ class KeyedReplayIndex(PrefixIndex):
     the index's own. Batches take the typed decoder (the compiled scan would hash)."""
 
     _scan_gpu = None
+
+    def _apply(self, engine: str, payload: bytes, model: str, dp_rank: int | None, seq: int | None,
+               decide: bool) -> tuple[str, float | None]:
+        return super()._apply(engine, expand_payload(payload), model, dp_rank, seq, decide)
 
     @staticmethod
     def _event_keys(ev: Any, block_size: int, n: int) -> list[int] | None:

@@ -21,6 +21,8 @@ from typing import Any
 
 __all__ = ["Journal", "Raised", "OPS"]
 
+_wall = time.time
+
 # Op codes: the journal's vocabulary (kept stable: recordings name ops by these numbers).
 APPLY = 1
 APPLY_SEQUENCED = 2
@@ -97,10 +99,14 @@ class Journal:
             r = fn(*args)
         except BaseException as e:
             self.active = False
-            self._put((op, time.time(), args, Raised(e), times))
+            self._put((op, _wall(), args, Raised(e), times))
             raise
         self.active = False
-        self._put((op, time.time(), args, r, times))
+        q = self.records
+        if len(q) < self.max_pending:  # _put, inline: this runs once per batch and per query
+            q.append((op, _wall(), args, r, times))
+        else:
+            self.overflowed = True
         return r
 
     def note(self, kind: str, engine: str, rank: int, detail: Any = None) -> None:
