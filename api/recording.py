@@ -6,6 +6,7 @@ the live page's time slider replays (``docs/record.md``). Without ``record_dir``
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -14,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from api.settings import Settings
 from indexer import PrefixIndex
+from indexer.ingest.recfile import segments
 from indexer.ingest.record import Recorder
 from indexer.ingest.replay import replay
 
@@ -26,6 +28,9 @@ class NoRecording:
     """No ``record_dir``: nothing recorded."""
 
     directory: str | None = None
+
+    def at(self, wall: float) -> dict[str, Any] | None:
+        return None
 
     def start(self) -> None:
         pass
@@ -69,14 +74,19 @@ class Recording:
         self.recorder.stop()
 
     def stats(self) -> dict[str, Any] | None:
-        return self.recorder.stats()
+        """The recorder's counters, and since when the recording reaches back (unix s)."""
+        st = self.recorder.stats()
+        segs = segments(self.directory) if self.directory and os.path.isdir(self.directory) else []
+        st["first_wall"] = segs[0][1] / 1000 if segs else None
+        return st
 
     def at(self, wall: float) -> dict[str, Any]:
         """The fleet and the routing decisions as the recording has them at unix time
         ``wall`` (what the page's time slider shows): the recording so far, replayed up
         to there."""
         self.recorder.flush()
-        rep = replay(self.directory, until_wall=wall, check=False)  # type: ignore[arg-type]  # set in __init__
+        rep = replay(self.directory, until_wall=wall, check=False,  # type: ignore[arg-type]  # set in __init__
+                     nearest_base=True)
         idx = rep.index
         return {
             "t": wall, "at_call": rep.at_op, "at_wall": rep.at_wall, "first_wall": rep.first_wall, "now": time.time(),

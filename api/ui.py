@@ -229,6 +229,7 @@ def state(svc: Any, decisions_model: str | None = None) -> dict[str, Any]:
         "decisions_kept": len(svc.decisions.ring),
         "discovery": svc.discovery.status(),
         "route_sync": svc.route_sync.stats(),
+        "record": svc.recording.stats(),  # None without record_dir: the page hides its time slider
         "auth_reads": svc.auth.auth_reads,
     }
 

@@ -139,19 +139,29 @@ def _plain_gpu(payload: bytes) -> bytes | None:
         if bs < 2 or len(tokens) != 4 * n * bs:
             return None
         ev = payload[start:end]
-        raw = bytes(decode_event(ev).token_ids)
-        i = ev.find(_TOKENS_KEY + raw)
-        if i < 0:
+        # vLLM sends fields in declaration order: token_ids, then block_size (always sent).
+        # The array between them must read back as exactly the scanned tokens.
+        j = ev.find(_TOKENS_KEY)
+        k = ev.find(_BS_KEY, j)
+        if j < 0 or k < 0:
             return None
+        j += len(_TOKENS_KEY)
+        if _core.tokens_from_msgpack(ev[j:k]) != tokens:
+            raw = bytes(decode_event(ev).token_ids)  # another order: find the array itself
+            j = ev.find(_TOKENS_KEY + raw)
+            if j < 0:
+                return None
+            j += len(_TOKENS_KEY)
+            k = j + len(raw)
         keys = _core.block_keys(tokens, bs, KEY_SEED, n, 0, True)
-        j = i + len(_TOKENS_KEY)
-        out += (payload[pos:start], ev[:j], _bin(keys), ev[j + len(raw):])
+        out += (payload[pos:start], ev[:j], _bin(keys), ev[k:])
         pos = end
     out.append(payload[pos:])
     return b"".join(out)
 
 
-_TOKENS_KEY = b"\xa9token_ids"  # the key as msgpack (fixstr of 9)
+_TOKENS_KEY = b"\xa9token_ids"  # the keys as msgpack (fixstr of 9, of 10)
+_BS_KEY = b"\xaablock_size"
 
 
 def _bin(b: bytes) -> bytes:

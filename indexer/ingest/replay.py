@@ -103,19 +103,26 @@ class ReplayReport:
 
 
 def replay(directory: str, *, until_op: int | None = None, until_wall: float | None = None, check: bool = True,
-           strict: bool = False, on_call: Callable[[str], None] | None = None) -> ReplayReport:
+           strict: bool = False, on_call: Callable[[str], None] | None = None,
+           nearest_base: bool = False) -> ReplayReport:
     """Rebuild the index recorded in ``directory`` and check its answers.
 
     Stops before the first call numbered above ``until_op`` or made after ``until_wall``
     (unix seconds), at the first mismatch (``check``), or at the first damaged segment
-    when ``strict``. ``on_call`` is told a one-line summary of each call replayed. The
+    when ``strict``. ``on_call`` is told a one-line summary of each call replayed. With
+    ``nearest_base`` and ``until_wall``, starts from the last segment begun by then (its
+    base holds everything before it: quicker, and checks only what follows). The
     report's ``index`` is the state there (None when nothing could be rebuilt)."""
     rep = ReplayReport(checked=check)
     since: deque[str] = deque(maxlen=_SINCE)
     clock: _Clock | None = None
     idx: PrefixIndex | None = None
     op_n = -1
-    for _, _, path in segments(directory):
+    segs = segments(directory)
+    if nearest_base and until_wall is not None:
+        started = [i for i, (_, ms, _) in enumerate(segs) if ms <= until_wall * 1000]
+        segs = segs[started[-1]:] if started else segs[:1]
+    for _, _, path in segs:
         rep.segments += 1
         base_seen = False
         for item in read_segment(path):
