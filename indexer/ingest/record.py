@@ -105,8 +105,8 @@ class Recorder:
         """Start recording ``index`` from its state now: its clock is journaled from here
         on and the first segment's base is this state. Raises OSError when the directory
         cannot be made or written (nothing attached), ValueError when ``index`` is being
-        recorded already or routes are in flight from before (they could not be replayed
-        as they were routed)."""
+        recorded already. Routes in flight from before are part of the base (replayed as
+        they were routed)."""
         os.makedirs(self.directory, exist_ok=True)
         if not os.access(self.directory, os.W_OK):
             raise PermissionError(errno.EACCES, "not writable", self.directory)
