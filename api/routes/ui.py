@@ -39,7 +39,8 @@ async def ui_state(request: Request,
 
 
 @router.get("/ui/replay", tags=["ui"], summary="The fleet and the routing decisions as the service's recording "
-            "(record_dir) has them at unix time t: the recording replayed up to there (404 without record_dir)")
+            "(record_dir) has them at unix time t: the recording replayed up to there (404 without record_dir)",
+            responses={404: {"description": "this service does not record (record_dir is not set)"}})
 async def ui_replay(request: Request, t: Annotated[float, Query(description="unix seconds")]) -> Response:
     svc = service_of(request)
     if svc.recording.directory is None:
