@@ -136,3 +136,13 @@ def test_a_recorded_run_replays_to_every_answer(tmp_path, pubs):
     out = _cli("replay", str(rec_dir), "--explain", str(body))  # and after it, ra is gone
     grid = json.loads(out.stdout[out.stdout.index("{"):])
     assert all(w["engine"] != "ra" for w in grid["workers"])
+
+    # A torn recording (the last frame cut short, as a crash mid-write leaves it): the
+    # command names the file and the offset, keeps what came before, and says so (exit 3).
+    last = segments(str(rec_dir))[-1][2]
+    size = (rec_dir / last).stat().st_size
+    with open(last, "r+b") as f:
+        f.truncate(size - 5)
+    out = _cli("replay", str(rec_dir))
+    assert out.returncode == 3, out.stdout + out.stderr
+    assert f"{last}: damaged at byte offset" in out.stdout and "truncated" in out.stdout
