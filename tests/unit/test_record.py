@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import msgspec
 import pytest
@@ -200,3 +201,49 @@ def test_unwritable_directory_stops_recording_and_index_keeps_serving(tmp_path):
     assert idx.journal is None
     assert idx.match([1] * 16).best is None  # still answers
     rec.stop()
+
+
+def test_size_cap_drops_oldest_segments_and_the_rest_replays_from_its_base(tmp_path):
+    clock = FakeClock()
+    idx = PrefixIndex(clock=clock)
+    cap = 96 * 1024
+    rec = Recorder(str(tmp_path), segment_bytes=4096, max_bytes=cap, flush_s=0.005)
+    rec.attach(idx)
+    rec.start()
+    for seed in range(8):
+        rec.rotate()  # besides the writer's own rotation past segment_bytes
+        _drive(idx, clock, seed=seed)
+        rec.flush()
+    rec.stop()
+    st = rec.stats()
+    segs = segments(str(tmp_path))
+    assert st["segments_started"] >= 8 and st["segments_dropped"]["size"] >= 1
+    assert segs[0][0] == st["segments_dropped"]["size"]  # the oldest went first, in order
+    assert sum(os.path.getsize(p) for _, _, p in segs[:-1]) <= cap
+    rep = replay(str(tmp_path))
+    assert rep.mismatch is None, describe(rep)
+    assert rep.damage == [] and rep.reproduced == rep.answers > 20
+
+
+def test_age_cap_drops_segments_older_than_it(tmp_path):
+    clock = FakeClock()
+    idx = PrefixIndex(clock=clock)
+    rec = Recorder(str(tmp_path), max_age_s=3600)
+    rec.attach(idx)
+    for seed in range(3):
+        _drive(idx, clock, seed=seed)
+        rec.rotate()
+        rec.flush()
+    segs = segments(str(tmp_path))
+    assert len(segs) == 4 and rec.stats()["segments_dropped"]["age"] == 0
+    # Make segments 0-3 two hours old (a segment's start is in its name): 0-2 ended two hours
+    # ago (where their successors began), 3 ends at the next rotation, now.
+    old_ms = int((time.time() - 7200) * 1000)
+    for n, _, path in segs:
+        os.rename(path, os.path.join(str(tmp_path), f"seg-{n:08d}-{old_ms + n}.kvr"))
+    rec.rotate()
+    rec.flush()
+    assert rec.stats()["segments_dropped"]["age"] == 3
+    assert [n for n, _, _ in segments(str(tmp_path))] == [3, 4]
+    rec.stop()
+    assert replay(str(tmp_path)).mismatch is None
