@@ -146,3 +146,19 @@ def test_a_recorded_run_replays_to_every_answer(tmp_path, pubs):
     out = _cli("replay", str(rec_dir))
     assert out.returncode == 3, out.stdout + out.stderr
     assert f"{last}: damaged at byte offset" in out.stdout and "truncated" in out.stdout
+
+
+def test_an_unwritable_record_dir_is_counted_and_the_service_serves(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the recording directory should be")
+    s = Server("--record", str(blocker / "rec"))
+    try:
+        m = s.client.metrics()
+        assert sample(m, "kvi_record_errors_total", reason="unwritable") == 1
+        assert sample(m, "kvi_record_active") == 0
+        st, r = s.client.post("/v1/route", {"token_ids": list(range(64))})
+        assert st in (200, 404), r  # served: no model yet is a 404 answer, not a failure
+        assert s.client.get("/healthz")[0] == 200
+        assert "recording to" in s.output() and "unwritable" in s.output()  # logged at start
+    finally:
+        s.stop()
