@@ -21,6 +21,7 @@ from api.dynamo import Dynamo
 from api.jsonroutes import Endpoints, JsonSpec
 from api.ledger import Ledger
 from api.metrics import Metrics
+from api.recording import recording_for
 from api.routes.admin import EngineAdmin
 from api.routes.gateway import GatewayLike, gateway_for
 from api.routes.query import Queries
@@ -60,11 +61,14 @@ class Service:
             self.discovery = discovery_for(settings, zmq)
         # Other router replicas' decisions into this index's in-flight view (NoRouteSync: none).
         self.route_sync: RouteSyncLike = route_sync_for(settings, index)
+        # The recording (record_dir), attached before anything is served: its first base is
+        # the state the service starts from (a restored snapshot included).
+        self.recording = recording_for(settings, index)
         self.auth = Auth(settings.api_token, settings.auth_reads) if settings.api_token else OpenAuth()
         self.api_errors: dict[tuple[str, int], int] = {}
         self.ledger = Ledger()  # the gateway's predicted against delivered cached tokens
         self.metrics = Metrics(index, self.ingest, self.api_errors, self.auth, self.state,
-                               (self.route_sync, self.ledger))
+                               (self.route_sync, self.ledger, self.recording))
         # Each model's tokenizer (prompt / messages requests), loaded now: a bad directory stops the start.
         self.text = text.Texts(dict(settings.tokenizers), settings.max_request_tokens, index)
         self.decisions = Decisions()  # recent routing decisions, for the page (api/ui.py)
@@ -124,6 +128,7 @@ class Service:
             log.warning("SECURITY: listening on %s without an API token: anyone who can reach port %d can register "
                         "engines (the index then connects where they say) and delete them. Set KVI_API_TOKEN or "
                         "api_token_file, and allowed_endpoints (docs/deploy.md, Security).", s.host, s.port)
+        self.recording.start()
         self.ingest.start()
         self.route_sync.start()
         self.state.start(self.snapshot, self.state_version)
@@ -138,6 +143,7 @@ class Service:
         await self.route_sync.astop()  # its goodbye: the other replicas drop our requests now
         await self.gateway.close()
         await self.ingest.astop()
+        await off_loop(self.recording.stop)  # after ingest stopped: every call it made is written
         self.text.close()
         await off_loop(self.state.final)  # after ingest stopped: the last state exactly
 

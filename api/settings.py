@@ -145,6 +145,20 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         "snapshot_interval_s and on SIGTERM); unset = start empty"))] = None
     snapshot_interval_s: Annotated[float, Meta(description=(
         "seconds between snapshots to the state dir or the object store; 0 = only on SIGTERM"))] = 60.0
+    # Record and replay (docs/record.md): every call that changes an answer, and every answer.
+    record_dir: Annotated[str | None, Meta(description=(
+        "directory to record the index to (rotating segments; kv-indexer replay DIR reproduces every "
+        "answer); unset = no recording"))] = None
+    record_max_bytes: Annotated[int, Meta(description=(
+        "bytes of recording kept at most; beyond, the oldest segments are deleted"))] = 1 << 30
+    record_max_age_s: Annotated[float, Meta(description=(
+        "seconds of recording kept at most (older segments deleted); 0 = no age cap"))] = 0.0
+    record_segment_bytes: Annotated[int, Meta(description=(
+        "a recording segment is closed past this size (each begins with the index's state)"))] = 64 << 20
+    record_segment_s: Annotated[float, Meta(description=(
+        "a recording segment is closed past this age, in seconds"))] = 600.0
+    record_tokens: Annotated[str, Meta(description=(
+        "what the recording keeps of prompts and token ids: hashed (block keys only), full, or none"))] = "hashed"
     # http://HOST:PORT; the engine registry comes with the snapshot, then the engines are
     # followed from the snapshot's seqs.
     bootstrap_from: Annotated[str | None, Meta(description=(
@@ -236,6 +250,14 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
             bad("snapshot_interval_s", f"must be >= 0 (0 = only on SIGTERM), got {self.snapshot_interval_s}")
         if self.state_dir is not None and not self.state_dir:
             bad("state_dir", "must not be empty")
+        if self.record_dir is not None and not self.record_dir:
+            bad("record_dir", "must not be empty")
+        if self.record_tokens not in ("none", "hashed", "full"):
+            bad("record_tokens", f"must be none, hashed or full, got {self.record_tokens!r}")
+        if self.record_segment_bytes < 4096 or self.record_max_bytes < self.record_segment_bytes:
+            bad("record_segment_bytes", "must be >= 4096 and <= record_max_bytes")
+        if self.record_max_age_s < 0 or not self.record_segment_s > 0:
+            bad("record_max_age_s", "record_max_age_s must be >= 0 and record_segment_s > 0")
         if self.bootstrap_from is not None and not self.bootstrap_from.startswith(("http://", "https://")):
             bad("bootstrap_from", f"must be an http:// or https:// URL, got {self.bootstrap_from!r}")
         if self.nats_url is not None and not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):

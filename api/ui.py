@@ -230,6 +230,7 @@ def state(svc: Any, decisions_model: str | None = None) -> dict[str, Any]:
         "discovery": svc.discovery.status(),
         "route_sync": svc.route_sync.stats(),
         "gateway": svc.ledger.summary() if svc.ledger.workers else None,
+        "record": svc.recording.stats(),  # None without record_dir: the page hides its time slider
         "auth_reads": svc.auth.auth_reads,
     }
 

@@ -7,6 +7,8 @@
 * ``demo-prompt N``: a ``/v1/match`` body with the prompt of the demo fleet's request N.
 * ``demo-offline``: no service, an index built in this process from simulated events.
 * ``decode FILE``: one vLLM batch payload as JSON.
+* ``replay DIR``: rebuild a recorded index and check every recorded answer
+  (:mod:`api.cli.replay`, ``docs/record.md``).
 * ``simulate``: routing policies compared on simulated engines (``indexer.producer.sim``).
 
 The parser and ``main`` are here; ``serve`` is :mod:`api.cli.serve`, the other commands
@@ -21,6 +23,7 @@ import argparse
 import json
 import sys
 
+from api.cli import replay as replay_cmd
 from api.cli import tools
 from api.cli.serve import cmd_serve
 from api.settings import ENV_PREFIX, FIELDS, Settings
@@ -134,6 +137,8 @@ def build_parser(prog: str = "kv-indexer") -> argparse.ArgumentParser:
     s.add_argument("--route-sync", metavar="URL", help=FIELDS["route_sync"])
     s.add_argument("--route-sync-token-file", metavar="FILE", help=FIELDS["route_sync_token_file"])
     s.add_argument("--route-sync-creds", metavar="FILE", help=FIELDS["route_sync_creds"])
+    s.add_argument("--record", dest="record_dir", metavar="DIR", help=FIELDS["record_dir"])
+    s.add_argument("--record-tokens", choices=["none", "hashed", "full"], help=FIELDS["record_tokens"])
     s.add_argument("--demo", action="store_true", default=None, help=FIELDS["demo"])
     s.add_argument("--demo-speedup", type=float, help=FIELDS["demo_speedup"])
     s.add_argument("--tokenizer", action="append", metavar="MODEL=DIR",
@@ -179,6 +184,7 @@ def build_parser(prog: str = "kv-indexer") -> argparse.ArgumentParser:
     old = sub.add_parser("demo", description="Deprecated: the old name of demo-offline.")
     old.set_defaults(func=tools.cmd_demo_offline, deprecated="demo")
 
+    replay_cmd.add_parser(sub)
     d = sub.add_parser("decode", help="decode one vLLM batch payload file and print it as JSON",
                        description="Decode one vLLM batch payload (frame 3 of a live message) and print it as "
                        "JSON: which wire layout, which events, what was ignored.")

@@ -47,6 +47,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "route_sync": args.route_sync,
         "route_sync_token_file": args.route_sync_token_file,
         "route_sync_creds": args.route_sync_creds,
+        "record_dir": args.record_dir,
+        "record_tokens": args.record_tokens,
     }
     if args.tokenizer:
         pairs = [t.partition("=") for t in args.tokenizer]
@@ -83,8 +85,9 @@ def settings_of(args: argparse.Namespace, overrides: dict[str, Any],
     return settings
 
 
-def serve(settings: Settings) -> None:
-    """Run the service (and, with ``demo``, the simulated fleet) until uvicorn stops."""
+def serve(settings: Settings, index: Any = None) -> None:
+    """Run the service (and, with ``demo``, the simulated fleet) until uvicorn stops; on
+    ``index`` when given (a replayed state)."""
     import uvicorn
 
     from api.app import create_app
@@ -92,7 +95,6 @@ def serve(settings: Settings) -> None:
     logging.config.dictConfig(log_config(settings))
     fd_limit(settings.max_workers)
     fleet = router = None
-    index = None
     if settings.demo:
         from api.demo import start_fleet
 

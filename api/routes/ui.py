@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from api import ui
-from api.common import ENC, JSON
+from api.common import ENC, JSON, off_loop
 from api.jsonroutes import service_of
 
 router = APIRouter()
@@ -36,3 +36,14 @@ for _path, (_name, _ctype) in ui.ASSETS.items():
 async def ui_state(request: Request,
                    decisions_model: Annotated[str | None, Query(max_length=256)] = None) -> Response:
     return Response(ENC.encode(ui.state(service_of(request), decisions_model)), media_type=JSON)
+
+
+@router.get("/ui/replay", tags=["ui"], summary="The fleet and the routing decisions as the service's recording "
+            "(record_dir) has them at unix time t: the recording replayed up to there (404 without record_dir)",
+            responses={404: {"description": "this service does not record (record_dir is not set)"}})
+async def ui_replay(request: Request, t: Annotated[float, Query(description="unix seconds")]) -> Response:
+    svc = service_of(request)
+    if svc.recording.directory is None:
+        return Response(ENC.encode({"detail": "this service does not record (record_dir is not set)"}),
+                        status_code=404, media_type=JSON)
+    return Response(ENC.encode(await off_loop(svc.recording.at, t)), media_type=JSON)

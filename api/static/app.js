@@ -299,6 +299,7 @@
       renderGateway(st);
       renderCharts(st);
       renderDecisions(st);
+      renderTimeMachineRange(st);
       setStatus(st.ingest.running ? "live" : "error",
         st.ingest.running ? `live · ${new Date(st.now * 1000).toLocaleTimeString()}` : `ingest stopped: ${st.ingest.error || "?"}`);
       document.body.dataset.polls = String(Number(document.body.dataset.polls || 0) + 1);
@@ -311,6 +312,62 @@
     }
     pollTimer = setTimeout(poll, delay);
   }
+
+  // ------------------------------------------------------------ time machine
+
+  // The last 15 minutes of the service's recording (record_dir): the slider picks a
+  // moment, GET /ui/replay?t= replays the recording up to it, the tables show the fleet
+  // and the routing decisions as they were then.
+  const TM_WINDOW_S = 900;
+  let tmTimer = null;
+
+  function renderTimeMachineRange(st) {
+    const sec = $("#timemachine-section");
+    const rec = st.record;
+    sec.hidden = !rec || rec.first_wall == null;
+    if (sec.hidden) return;
+    const from = Math.max(rec.first_wall, st.now - TM_WINDOW_S);
+    const slider = $("#tm-slider");
+    slider.dataset.from = String(from);
+    slider.dataset.to = String(st.now);
+    $("#tm-note").textContent = `recorded to ${rec.directory} (tokens ${rec.tokens}); ` +
+      `${num(rec.records)} calls, slider over the last ${Math.round((st.now - from) / 60)} min`;
+  }
+
+  function sliderTime() {
+    const s = $("#tm-slider");
+    const from = Number(s.dataset.from || 0), to = Number(s.dataset.to || 0);
+    return from + (to - from) * Number(s.value) / Number(s.max);
+  }
+
+  async function showMoment() {
+    const t = sliderTime();
+    $("#tm-at").textContent = new Date(t * 1000).toLocaleTimeString();
+    try {
+      const x = await api("/ui/replay?t=" + t.toFixed(3));
+      $("#tm-error").hidden = true;
+      $("#tm-workers tbody").innerHTML = x.workers.map((w) => `<tr data-worker="${esc(w.engine)}/${w.dp_rank}">
+        <td>${esc(w.engine)}/${w.dp_rank}</td><td>${esc(w.model)}</td>
+        <td>${w.stale ? '<span class="badge stale">' + esc(w.stale_reason || "stale") + "</span>" : ""}</td>
+        <td class="num">${w.last_seq == null ? "–" : w.last_seq}</td><td class="num">${w.batches}</td>
+        <td class="num">${w.restarts}</td><td>${tiers(w.resident_blocks)}</td>
+        <td class="num">${w.in_flight.requests}</td></tr>`).join("");
+      $("#tm-decisions tbody").innerHTML = x.decisions.slice().reverse().map((d) => `<tr>
+        <td>${new Date(d.t * 1000).toLocaleTimeString()}</td><td>${esc(d.request_id || "")}</td>
+        <td><b>${esc(d.worker)}</b></td><td>${esc(d.reason)}</td><td class="num">${num(d.score)}</td>
+        <td class="num">${num(d.cost)}</td></tr>`).join("");
+      document.body.dataset.moments = String(Number(document.body.dataset.moments || 0) + 1);
+    } catch (e) {
+      if (e instanceof AuthError) return;
+      $("#tm-error").hidden = false;
+      $("#tm-error").textContent = e.message;
+    }
+  }
+
+  $("#tm-slider").addEventListener("input", () => {
+    clearTimeout(tmTimer);
+    tmTimer = setTimeout(showMoment, 150); // one replay when the slider rests, not one per pixel
+  });
 
   // ------------------------------------------------------------ explain
 

@@ -76,6 +76,8 @@ class IndexSink:
 
     def apply_batch(self, sub: WorkerStream, seq: int, payload: bytes) -> float | None:
         index = self.index
+        if sub.replaying and index.journal is not None:
+            index.journal.note("replayed", sub.engine, sub.rank, seq)  # the batch came by replay, not live
         ts = index.apply_sequenced(sub.engine, payload, model=sub.model, dp_rank=sub.rank, seq=seq)
         if index.readers_waiting:
             _yield_gil()
@@ -90,6 +92,8 @@ class IndexSink:
                 return f"batches from {start} lost and no replay endpoint"
             return "replay socket not open"
         sub.dealer.send_multipart((b"", start.to_bytes(8, "big")))
+        if self.index.journal is not None:
+            self.index.journal.note("replay_requested", sub.engine, sub.rank, start)
         self.ingest._replay_on(sub)
         return None
 
@@ -106,6 +110,8 @@ class IndexSink:
         self.index.clear_stale(sub.engine, sub.rank)
 
     def count(self, sub: WorkerStream, name: str) -> None:
+        if self.index.journal is not None:
+            self.index.journal.note(name, sub.engine, sub.rank)  # the sequencer's decision, with its worker
         self.index.count(name)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 from indexer.query.match import Query
 from indexer.query.peers import Peers
 from indexer.store.apply import Store
+from indexer.store.journal import APPLY, APPLY_SEQUENCED
 from indexer.store.state import DEFAULT_CREDITS, DEFAULT_GROUP_KINDS, ModelRequiredError
 
 __all__ = ["PrefixIndex", "DEFAULT_CREDITS", "DEFAULT_GROUP_KINDS", "ModelRequiredError"]
@@ -75,6 +76,8 @@ class PrefixIndex(Query, Peers, Store):
         decode: counted per worker and reason, nothing indexed is touched, R-DEC-3).
         """
         with self._lock:
+            if self._rec is not None:
+                return str(self._rec.run(APPLY, self._apply, (engine, payload, model, dp_rank, seq, True))[0])
             return self._apply(engine, payload, model, dp_rank, seq, True)[0]
 
     def apply_sequenced(
@@ -86,4 +89,7 @@ class PrefixIndex(Query, Peers, Store):
         Returns the batch's ts, or None when the payload did not decode.
         """
         with self._lock:
+            if self._rec is not None:
+                return self._rec.run(APPLY_SEQUENCED, self._apply,  # type: ignore[no-any-return]
+                                     (engine, payload, model, dp_rank, seq, False))[1]
             return self._apply(engine, payload, model, dp_rank, seq, False)[1]

@@ -16,6 +16,15 @@ from indexer._native import core as _core
 from indexer.query.answers import MatchResult
 from indexer.query.prefixes import Prefixes
 from indexer.query.route import Load, Ranking, RouteResponse, rank
+from indexer.store.journal import (
+    CORRECT_LOAD,
+    MATCH,
+    MATCH_BY_KEYS,
+    MATCH_PLAIN,
+    ROUTE,
+    ROUTE_DONE,
+    TIE_SLOT,
+)
 from indexer.wire.keys import (
     KEY_SEED,
     block_keys,
@@ -27,7 +36,7 @@ from indexer.wire.keys import (
 if TYPE_CHECKING:
     from indexer.query.prefixes import KeysFor
 
-__all__ = ["Query"]
+__all__ = ["KeySource", "Query"]
 
 
 class Query(Prefixes):
@@ -65,31 +74,23 @@ class Query(Prefixes):
                       ) -> tuple[MatchResult, KeysFor, int]:
         """:meth:`match`, plus the query's key source and its token count (for a route
         to record). Predictions, when the model has any, come in ``predicted``."""
-        buf = token_ids if token_ids.__class__ is bytes else tokens_to_bytes(token_ids)
-        ntok = len(buf) // 4
-        cache: dict[int, _LazyKeys] = {}
-
-        def keys_for(bs: int) -> Iterator[list[int]]:
-            ks = cache.get(bs)
-            if ks is None:
-                n = ntok // bs
-                if not lora_name and cache_salt is None and not extra_keys:
-                    seed: Any = KEY_SEED
-                else:
-                    ek = query_extra_keys(n, cache_salt, extra_keys)
-                    seed = seeds_for_blocks(n, lora_name, ek)
-                ks = cache[bs] = _LazyKeys(buf, bs, seed, n)
-            return ks.chunks()
-
+        src = KeySource(token_ids, lora_name, cache_salt, extra_keys)
         self.readers_waiting.append(None)
         with self._lock:
             self.readers_waiting.pop()
-            m = self.model_state(model)
-            res = self.match_model(m, keys_for, ntok)
-            tries = self.inflight.tries
-            if tries and m.name in tries:
-                res = self._with_predictions(res, keys_for)
-            return res, keys_for, ntok
+            if self._rec is not None:
+                return self._rec.run(MATCH, self._match_keys, (src, model)), src, src.ntok
+            return self._match_keys(src, model), src, src.ntok
+
+    def _match_keys(self, keys_for: KeysFor, model: str | None) -> MatchResult:
+        """:meth:`match` of a prompt given as its key source (the caller holds the lock):
+        what a replay calls with the keys a recording kept."""
+        m = self.model_state(model)
+        res = self.match_model(m, keys_for, keys_for.ntok)  # type: ignore[attr-defined]  # a KeySource
+        tries = self.inflight.tries
+        if tries and m.name in tries:
+            res = self._with_predictions(res, keys_for)
+        return res
 
     def _with_predictions(self, res: MatchResult, keys_for: KeysFor) -> MatchResult:
         """``res`` with the blocks routed prompts will add beyond what each worker announced."""
@@ -144,29 +145,50 @@ class Query(Prefixes):
                record: bool, max_tokens: int | None, link: Mapping[tuple[str, int], tuple[bool, bool]] | None,
                structs: bool) -> tuple[Ranking, str | None]:
         """:meth:`route`'s decision and its request id (None without ``record``); records
-        it with ``record``."""
-        res, keys_for, ntok = self._match_tokens(token_ids, model, lora_name, cache_salt)
+        it with ``record``. The match, the ranking and the record are one section under
+        the lock, so no batch lands between what the route saw and what it recorded."""
+        src = KeySource(token_ids, lora_name, cache_salt, None)
+        self.readers_waiting.append(None)
+        with self._lock:
+            self.readers_waiting.pop()
+            if self._rec is not None:
+                if candidates is not None and not isinstance(candidates, (list, tuple, set, frozenset)):
+                    candidates = list(candidates)  # journaled as given, and still there to rank
+                return self._rec.run(ROUTE, self._route_keys,  # type: ignore[no-any-return]
+                                     (src, model, load, candidates, prefill_load_scale, record, max_tokens,
+                                      None if link is None else dict(link), structs))
+            return self._route_keys(src, model, load, candidates, prefill_load_scale, record, max_tokens, link,
+                                    structs)
+
+    def _route_keys(self, keys_for: KeysFor, model: str | None, load: Mapping[str, Load] | None,
+                    candidates: Iterable[str] | None, prefill_load_scale: float, record: bool,
+                    max_tokens: int | None, link: Mapping[tuple[str, int], tuple[bool, bool]] | None,
+                    structs: bool) -> tuple[Ranking, str | None]:
+        """:meth:`_route` of a prompt given as its key source (the caller holds the lock):
+        what a replay calls with the keys a recording kept. With ``record`` the route's
+        decision goes in flight."""
+        ntok: int = keys_for.ntok  # type: ignore[attr-defined]  # a KeySource
+        res = self._match_keys(keys_for, model)
         if res.block_size is None:  # nothing stored yet: the prompt's size in default blocks
             dbs = self.default_block_size
             res = res._replace(block_size=dbs, query_blocks=ntok // dbs)
-        with self._lock:
-            known = self.model_state(res.model).rows  # the workers' table, read under the lock
-            inf = self.inflight
-            inf.expire(self._clock())
-            busy = inf.prefill or inf.decode or inf.engine_extra  # else: nothing to ask per worker
-            ranking = rank(res, known, load=load, candidates=candidates, prefill_load_scale=prefill_load_scale,
-                           link=link, in_flight=inf.loads() if busy else None, index_load=True, structs=structs,
-                           tie_slot=self.tie_slot)
-            rid = None
-            if record:
-                bs: int = res.block_size  # type: ignore[assignment]  # set just above when None
-                _, engine, dp_rank, _, _, cached, predicted = ranking.head()
-                held = (cached + predicted) * bs
-                decode = -(-(ntok + max_tokens) // bs) if max_tokens else 0
-                keys = chain.from_iterable(keys_for(bs))  # InFlight copies them into one array
-                rid = inf.record(res.model, (engine, dp_rank), keys, ntok - held, decode,
-                                 predict=cached < ntok // bs)
-            return ranking, rid
+        known = self.model_state(res.model).rows  # the workers' table
+        inf = self.inflight
+        inf.expire(self._clock())
+        busy = inf.prefill or inf.decode or inf.engine_extra  # else: nothing to ask per worker
+        ranking = rank(res, known, load=load, candidates=candidates, prefill_load_scale=prefill_load_scale,
+                       link=link, in_flight=inf.loads() if busy else None, index_load=True, structs=structs,
+                       tie_slot=self.tie_slot)
+        rid = None
+        if record:
+            bs: int = res.block_size  # type: ignore[assignment]  # set just above when None
+            _, engine, dp_rank, _, _, cached, predicted = ranking.head()
+            held = (cached + predicted) * bs
+            decode = -(-(ntok + max_tokens) // bs) if max_tokens else 0
+            keys = chain.from_iterable(keys_for(bs))  # InFlight copies them into one array
+            rid = inf.record(res.model, (engine, dp_rank), keys, ntok - held, decode,
+                             predict=cached < ntok // bs)
+        return ranking, rid
 
     def set_tie_slot(self, slot: int, of: int) -> None:
         """Make this index replica ``slot`` of ``of`` routers over the same fleet: sets
@@ -185,13 +207,22 @@ class Query(Prefixes):
         if not 0 <= slot < of:
             raise ValueError(f"tie slot must satisfy 0 <= slot < of, not {slot} of {of}")
         with self._lock:
-            self.tie_slot = (slot, of)
+            if self._rec is not None:
+                self._rec.run(TIE_SLOT, self._set_tie_slot, (slot, of))
+            else:
+                self._set_tie_slot(slot, of)
+
+    def _set_tie_slot(self, slot: int, of: int) -> None:
+        self.tie_slot = (slot, of)
 
     def correct_load(self, worker: tuple[str, int], waiting: float, running: float, t: float) -> None:
         """A worker's engine reported its queue (vLLM metrics): correct the in-flight
         estimate (:meth:`indexer.store.inflight.InFlight.correct`)."""
         with self._lock:
-            self.inflight.correct(worker, waiting, running, t)
+            if self._rec is not None:
+                self._rec.run(CORRECT_LOAD, self.inflight.correct, (tuple(worker), waiting, running, t))
+            else:
+                self.inflight.correct(worker, waiting, running, t)
 
     def route_first_token(self, request_id: str) -> bool:
         """Request ``request_id`` (a route's answer) returned its first token: its prefill
@@ -211,6 +242,8 @@ class Query(Prefixes):
         (True). False when it had ended already (its prefill announced with no decode to
         wait for, done before, expired); None when the index does not know it."""
         with self._lock:
+            if self._rec is not None:
+                return self._rec.run(ROUTE_DONE, self.inflight.done, (request_id,))  # type: ignore[no-any-return]
             return self.inflight.done(request_id)
 
     def match_by_keys(self, block_keys_: Sequence[int], *, model: str | None = "default") -> MatchResult:
@@ -222,13 +255,18 @@ class Query(Prefixes):
         self.readers_waiting.append(None)
         with self._lock:
             self.readers_waiting.pop()
-            m = self.model_state(model)
-            bs = m.trees[m.default_groups()[0]].block_size if m.trees else 0
+            if self._rec is not None:
+                return self._rec.run(MATCH_BY_KEYS, self._match_by_keys, (keys, model))  # type: ignore[no-any-return]
+            return self._match_by_keys(keys, model)
 
-            def keys_for(b: int) -> tuple[list[int], ...]:
-                return (keys,) if b == bs else ()
+    def _match_by_keys(self, keys: list[int], model: str | None) -> MatchResult:
+        m = self.model_state(model)
+        bs = m.trees[m.default_groups()[0]].block_size if m.trees else 0
 
-            return self.match_model(m, keys_for, len(keys) * bs)
+        def keys_for(b: int) -> tuple[list[int], ...]:
+            return (keys,) if b == bs else ()
+
+        return self.match_model(m, keys_for, len(keys) * bs)
 
     def match_plain(self, buf: bytes, model: str | None) -> MatchResult | None:
         """:meth:`match` of ``buf`` (token ids as little-endian uint32 bytes, no LoRA, salt
@@ -242,25 +280,64 @@ class Query(Prefixes):
         self.readers_waiting.append(None)
         with self._lock:
             self.readers_waiting.pop()
-            m = self._models.get(model) if model is not None else None
-            if m is None:
-                m = self.model_state(model)  # None, or unknown: match's answer (or KeyError)
-            trees = m.trees
-            if len(trees) != 1 or m.tiered:
-                return None
-            tries = self.inflight.tries
-            if tries and m.name in tries:
-                return None
-            (g, tree), = trees.items()
-            bs = tree.block_size
-            ntok = len(buf) >> 2
-            n = ntok // bs
-            # Up to 64 blocks in one call (packed: no int per key); a longer prompt hashed
-            # as the walk goes (_LazyKeys).
-            chunks: Any = (
-                (_core.block_keys(buf, bs, KEY_SEED, n, 0, True) if _core is not None
-                 else block_keys(buf, bs, KEY_SEED, n),) if n <= 64 else _LazyKeys(buf, bs, KEY_SEED, n).chunks())
-            return self._gpu_only(m, g, tree, chunks, ntok)
+            if self._rec is not None:
+                return self._rec.run(MATCH_PLAIN, self._match_plain, (buf, model, None))  # type: ignore[no-any-return]
+            return self._match_plain(buf, model, None)
+
+    def _match_plain(self, buf: bytes, model: str | None, keys_for: KeysFor | None) -> MatchResult | None:
+        """:meth:`match_plain` (the caller holds the lock); a replay gives the recorded
+        keys as ``keys_for`` (then ``buf`` is only as long as the prompt)."""
+        m = self._models.get(model) if model is not None else None
+        if m is None:
+            m = self.model_state(model)  # None, or unknown: match's answer (or KeyError)
+        trees = m.trees
+        if len(trees) != 1 or m.tiered:
+            return None
+        tries = self.inflight.tries
+        if tries and m.name in tries:
+            return None
+        (g, tree), = trees.items()
+        bs = tree.block_size
+        ntok = len(buf) >> 2
+        n = ntok // bs
+        # Up to 64 blocks in one call (packed: no int per key); a longer prompt hashed
+        # as the walk goes (_LazyKeys).
+        chunks: Any = (
+            keys_for(bs) if keys_for is not None else
+            (_core.block_keys(buf, bs, KEY_SEED, n, 0, True) if _core is not None
+             else block_keys(buf, bs, KEY_SEED, n),) if n <= 64 else _LazyKeys(buf, bs, KEY_SEED, n).chunks())
+        return self._gpu_only(m, g, tree, chunks, ntok)
+
+
+class KeySource:
+    """A query's block keys by block size (``keys_for(bs)``: chunks of keys), each block
+    size hashed as the walk asks (:class:`_LazyKeys`). Kept by a recording, which reads
+    :attr:`cache` for the block sizes the query used."""
+
+    __slots__ = ("buf", "ntok", "lora_name", "cache_salt", "extra_keys", "cache")
+
+    def __init__(self, token_ids: Sequence[int] | bytes, lora_name: str | None, cache_salt: str | None,
+                 extra_keys: Sequence[Any] | None) -> None:
+        buf = token_ids if token_ids.__class__ is bytes else tokens_to_bytes(token_ids)
+        self.buf: bytes = buf
+        self.ntok = len(buf) // 4
+        self.lora_name = lora_name
+        self.cache_salt = cache_salt
+        self.extra_keys = extra_keys
+        self.cache: dict[int, _LazyKeys] = {}
+
+    def seed(self, n: int) -> Any:
+        """The key seed(s) of the prompt's first ``n`` blocks (its namespace, R-KEY-1)."""
+        if not self.lora_name and self.cache_salt is None and not self.extra_keys:
+            return KEY_SEED
+        return seeds_for_blocks(n, self.lora_name, query_extra_keys(n, self.cache_salt, self.extra_keys))
+
+    def __call__(self, bs: int) -> Iterator[list[int]]:
+        ks = self.cache.get(bs)
+        if ks is None:
+            n = self.ntok // bs
+            ks = self.cache[bs] = _LazyKeys(self.buf, bs, self.seed(n), n)
+        return ks.chunks()
 
 
 class _LazyKeys:

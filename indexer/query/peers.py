@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from indexer.store.flight import FlightListener, NoListener
+from indexer.store.journal import ADOPT_PEER, DROP_PEER, END_PEER, EXPIRE, FORGET_PEER_WORKER, Journal
 from indexer.store.peerflight import PeerEntry
 
 if TYPE_CHECKING:
@@ -24,6 +25,7 @@ class Peers:
     if TYPE_CHECKING:
         _lock: threading.Lock
         inflight: InFlight
+        _rec: Journal | None
 
     @property
     def origin(self) -> str:
@@ -40,29 +42,47 @@ class Peers:
         """Hold peer ``origin``'s open requests (:meth:`~indexer.store.peerflight.PeerFlight.adopt`);
         returns how many were new."""
         with self._lock:
-            adopt = self.inflight.adopt
-            return sum(adopt(origin, e) for e in entries)
+            if self._rec is not None:
+                return int(self._rec.run(ADOPT_PEER, self._adopt_peer, (origin, list(entries))))
+            return self._adopt_peer(origin, entries)
+
+    def _adopt_peer(self, origin: str, entries: Iterable[PeerEntry]) -> int:
+        adopt = self.inflight.adopt
+        return sum(adopt(origin, e) for e in entries)
 
     def end_peer(self, ends: Iterable[tuple[str, bool]]) -> int:
         """``(request id, whole)`` a peer says ended; returns how many were open here."""
         with self._lock:
-            end = self.inflight.end_peer
-            return sum(end(rid, whole) for rid, whole in ends)
+            if self._rec is not None:
+                return int(self._rec.run(END_PEER, self._end_peer, (list(ends),)))
+            return self._end_peer(ends)
+
+    def _end_peer(self, ends: Iterable[tuple[str, bool]]) -> int:
+        end = self.inflight.end_peer
+        return sum(end(rid, whole) for rid, whole in ends)
 
     def forget_peer_worker(self, worker: tuple[str, int]) -> int:
         """A peer saw ``worker`` removed, restarted or cleared: end its requests."""
         with self._lock:
+            if self._rec is not None:
+                return int(self._rec.run(FORGET_PEER_WORKER, self.inflight.forget_peer_worker, (tuple(worker),)))
             return self.inflight.forget_peer_worker(worker)
 
     def drop_peer(self, origin: str, keep: Iterable[str] | None = None) -> int:
         """End peer ``origin``'s requests but those in ``keep`` (all: it left)."""
         with self._lock:
+            if self._rec is not None:
+                return int(self._rec.run(DROP_PEER, self.inflight.drop_origin,
+                                         (origin, None if keep is None else list(keep))))
             return self.inflight.drop_origin(origin, keep)
 
     def own_requests(self) -> list[PeerEntry]:
         """This index's own open requests, for a peer that asks."""
         with self._lock:
-            self.inflight.expire()
+            if self._rec is not None:
+                self._rec.run(EXPIRE, self.inflight.expire, ())
+            else:
+                self.inflight.expire()
             return list(self.inflight.own_entries())
 
     def held_by_origin(self) -> dict[str, int]:

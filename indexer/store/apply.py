@@ -63,11 +63,16 @@ def _note_window(m: ModelState, group: int, ev: StoredEvent) -> None:
 class Store(Placement):
     """Decode-and-apply of one batch, stores and orphans."""
 
+    # The compiled one-pass reader of plain GPU batches, or None (then every batch takes
+    # the typed decoder): a replay of a hashed recording keys stores its own way.
+    _scan_gpu: Any = staticmethod(scan_gpu_batch) if scan_gpu_batch is not None else None
+
     def _apply(self, engine: str, payload: bytes, model: str, dp_rank: int | None, seq: int | None,
                decide: bool) -> tuple[str, float | None]:
         # The common batch (plain GPU stores only) is read in one pass by the compiled
         # core; anything else, or no core, goes through the typed decoder.
-        scanned = scan_gpu_batch(payload) if scan_gpu_batch is not None else None
+        scan = self._scan_gpu
+        scanned = scan(payload) if scan is not None else None
         if scanned is not None:
             ts, brank, stores = scanned
             batch = None

@@ -6,6 +6,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from indexer.store.journal import (
+    CLEAR_ENGINE,
+    CLEAR_STALE,
+    DROP_ENGINE,
+    DROP_WORKER,
+    EXPIRE,
+    MARK_STALE,
+    REGISTER,
+    RESET_WORKER,
+)
 from indexer.store.removal import Removal
 from indexer.store.state import _EVENT_NAMES, DEFAULT_GROUP_KINDS, MAX_IDLE_MODELS, ModelState, WorkerState
 
@@ -67,28 +77,43 @@ class Lifecycle(Removal):
     def drop_worker(self, engine: str, dp_rank: int = 0) -> bool:
         """Forget one worker and all its residency. Returns False when unknown."""
         with self._lock:
-            w = self._workers.get((engine, dp_rank))
-            if w is None:
-                return False
-            self._remove_worker(w)
-            return True
+            if self._rec is not None:
+                return bool(self._rec.run(DROP_WORKER, self._drop_worker, (engine, dp_rank)))
+            return self._drop_worker(engine, dp_rank)
+
+    def _drop_worker(self, engine: str, dp_rank: int) -> bool:
+        w = self._workers.get((engine, dp_rank))
+        if w is None:
+            return False
+        self._remove_worker(w)
+        return True
 
     def drop_engine(self, engine: str) -> int:
         """Forget every DP rank of ``engine``; returns how many workers went."""
         with self._lock:
-            ws = [w for (e, _), w in self._workers.items() if e == engine]
-            for w in ws:
-                self._remove_worker(w)
-            return len(ws)
+            if self._rec is not None:
+                return int(self._rec.run(DROP_ENGINE, self._drop_engine, (engine,)))
+            return self._drop_engine(engine)
+
+    def _drop_engine(self, engine: str) -> int:
+        ws = [w for (e, _), w in self._workers.items() if e == engine]
+        for w in ws:
+            self._remove_worker(w)
+        return len(ws)
 
     def reset_worker(self, engine: str, dp_rank: int = 0) -> bool:
         """Drop one worker's residency but keep it known (an engine restart)."""
         with self._lock:
-            w = self._workers.get((engine, dp_rank))
-            if w is None:
-                return False
-            self._restart(w)
-            return True
+            if self._rec is not None:
+                return bool(self._rec.run(RESET_WORKER, self._reset_worker, (engine, dp_rank)))
+            return self._reset_worker(engine, dp_rank)
+
+    def _reset_worker(self, engine: str, dp_rank: int) -> bool:
+        w = self._workers.get((engine, dp_rank))
+        if w is None:
+            return False
+        self._restart(w)
+        return True
 
     def clear_engine(self, engine: str) -> int:
         """An operator's word that ``engine``'s prefix cache was reset (vLLM's
@@ -98,18 +123,26 @@ class Lifecycle(Removal):
         event, when it comes, applies in order and clears nothing more. Returns how many
         workers were cleared (0: the engine is unknown)."""
         with self._lock:
-            ws = [w for (e, _), w in self._workers.items() if e == engine]
-            for w in ws:
-                self._on_clear(w)
-                w.refresh()
-            if ws:
-                self._count("clears_requested")
-            return len(ws)
+            if self._rec is not None:
+                return int(self._rec.run(CLEAR_ENGINE, self._clear_engine, (engine,)))
+            return self._clear_engine(engine)
+
+    def _clear_engine(self, engine: str) -> int:
+        ws = [w for (e, _), w in self._workers.items() if e == engine]
+        for w in ws:
+            self._on_clear(w)
+            w.refresh()
+        if ws:
+            self._count("clears_requested")
+        return len(ws)
 
     def register_worker(self, engine: str, dp_rank: int = 0, *, model: str = "default") -> None:
         """Make a worker known before its first event (so freshness can report it)."""
         with self._lock:
-            self._worker(engine, dp_rank, model)
+            if self._rec is not None:
+                self._rec.run(REGISTER, self._worker, (engine, dp_rank, model))
+            else:
+                self._worker(engine, dp_rank, model)
 
     def worker_position(self, engine: str, dp_rank: int = 0) -> tuple[int | None, float | None, bool] | None:
         """``(last_seq, last_ts, stale)`` of a worker (where its stream stands), or None."""
@@ -120,29 +153,52 @@ class Lifecycle(Removal):
     def mark_stale(self, engine: str, dp_rank: int = 0, reason: str = "stale") -> None:
         """Mark a worker stale with ``reason``; its index is kept and answers say so."""
         with self._lock:
-            w = self._workers.get((engine, dp_rank))
-            if w is not None:
-                if not w.stale:
-                    self._count("stale_marked")
-                w.stale = True
-                w.stale_reason = reason
-                w.refresh()
+            if self._rec is not None:
+                self._rec.run(MARK_STALE, self._mark_stale, (engine, dp_rank, reason))
+            else:
+                self._mark_stale(engine, dp_rank, reason)
+
+    def _mark_stale(self, engine: str, dp_rank: int, reason: str) -> None:
+        w = self._workers.get((engine, dp_rank))
+        if w is not None:
+            if not w.stale:
+                self._count("stale_marked")
+            w.stale = True
+            w.stale_reason = reason
+            w.refresh()
 
     def clear_stale(self, engine: str, dp_rank: int = 0) -> None:
         """Clear a worker's stale mark (after a successful recovery)."""
         with self._lock:
-            w = self._workers.get((engine, dp_rank))
-            if w is not None and w.stale:
-                w.stale = False
-                w.stale_reason = None
-                w.refresh()
-                self._count("stale_cleared")
+            if self._rec is not None:
+                self._rec.run(CLEAR_STALE, self._clear_stale, (engine, dp_rank))
+            else:
+                self._clear_stale(engine, dp_rank)
+
+    def _clear_stale(self, engine: str, dp_rank: int) -> None:
+        w = self._workers.get((engine, dp_rank))
+        if w is not None and w.stale:
+            w.stale = False
+            w.stale_reason = None
+            w.refresh()
+            self._count("stale_cleared")
+
+    def _expire_due(self) -> None:
+        """End what is due in flight (the caller holds the lock): a journaled call while
+        recording, since what ends now changes later answers."""
+        inf = self.inflight
+        if not inf._heap:
+            return
+        if self._rec is not None:
+            self._rec.run(EXPIRE, inf.expire, ())
+        else:
+            inf.expire(self._clock())
 
     def workers(self) -> list[dict[str, Any]]:
         """Per-worker freshness, sizes and in-flight load, sorted by engine then rank."""
         with self._lock:
+            self._expire_due()
             now = self._clock()
-            self.inflight.expire(now)
             out = []
             for (engine, rank), w in sorted(self._workers.items()):
                 res: dict[str, int] = {}
@@ -176,7 +232,7 @@ class Lifecycle(Removal):
     def _in_flight_stats(self) -> dict[str, Any]:
         """The routing bookkeeping's sizes and outcomes (counters only: no walk)."""
         inf = self.inflight
-        inf.expire(self._clock())
+        self._expire_due()
         return {
             "requests": len(inf.requests),
             "prefill_tokens": sum(inf.prefill.values()),

@@ -180,6 +180,20 @@ def dumps(index: IndexState, *, engines: Iterable[dict[str, Any]] = (), meta: di
     return _frame(_enc.encode(_assemble(cut, list(engines), dict(meta or {}))))
 
 
+def cut_locked(index: IndexState) -> dict[str, Any]:
+    """What :func:`dumps` reads under the index lock, for a caller that holds it already
+    (a recording's segment base, taken between two journaled calls); :func:`finish`
+    makes the bytes without the lock. ``cut["now"]`` is the clock reading ages are from,
+    ``cut["orphans"]`` the orphans (their ``event`` may be rewritten before finishing).
+    Changes nothing."""
+    return _cut(index)
+
+
+def finish(cut: dict[str, Any], *, engines: Iterable[dict[str, Any]] = (), meta: dict[str, Any] | None = None) -> bytes:
+    """Snapshot bytes from a :func:`cut_locked` cut (no lock needed)."""
+    return _frame(_enc.encode(_assemble(cut, list(engines), dict(meta or {}))))
+
+
 class Snapshot:
     """A checked, decoded snapshot: :meth:`restore` puts it into an empty index."""
 
@@ -190,12 +204,14 @@ class Snapshot:
         self.engines = body.engines
         self.created = body.created
 
-    def restore(self, index: IndexState, *, replace: bool = False) -> None:
+    def restore(self, index: IndexState, *, replace: bool = False, downtime: bool = True) -> None:
         """Rebuild the snapshot's state in ``index``, which must hold no worker yet unless
         ``replace`` (then what it holds goes first). Its own settings (credits, caps,
         bounds) stay; node caps apply from here on. A snapshot that cannot be restored
-        leaves the index empty (SnapshotError ``corrupt``)."""
-        index.restore_state(lambda: _build(index, self.body), replace=replace)
+        leaves the index empty (SnapshotError ``corrupt``). ``downtime=False`` does not age
+        the workers' last apply by the wall time since the cut (a replay's clock resumes
+        at the cut's own reading)."""
+        index.restore_state(lambda: _build(index, self.body, downtime), replace=replace)
 
     def workers(self) -> list[tuple[str, int, str, int | None]]:
         """(engine, dp_rank, model, last_seq) of every worker in the snapshot."""
@@ -290,8 +306,8 @@ def _cut(index: IndexState) -> dict[str, Any]:
         wid, g = owner
         orphans.append(OrphanSnap(wid, g, ph, max(0.0, now - t), encode_stored(entry[0]), entry[1]))
     next_wid, free_wids = index.wids()
-    return {"models": models, "orphans": orphans, "created": time.time(), "tier_names": list(index.tier_names),
-            "next_wid": next_wid, "free_wids": free_wids, "workers": workers}
+    return {"now": now, "models": models, "orphans": orphans, "created": time.time(),
+            "tier_names": list(index.tier_names), "next_wid": next_wid, "free_wids": free_wids, "workers": workers}
 
 
 def _assemble(cut: dict[str, Any], engines: list[dict[str, Any]], meta: dict[str, Any]) -> Body:
@@ -348,13 +364,13 @@ def _assemble(cut: dict[str, Any], engines: list[dict[str, Any]], meta: dict[str
 # ---------------------------------------------------------------- the restore
 
 
-def _build(index: IndexState, body: Body) -> RestoredState:
+def _build(index: IndexState, body: Body, downtime: bool = True) -> RestoredState:
     """The snapshot's state, built for ``index`` (its node cap and tier bound, its clock):
     every tree, worker and orphan. Raises SnapshotError ``corrupt`` when the body does
     not make one (the trees made so far freed first)."""
     trees: list[Tree] = []
     try:
-        return _make(index, body, trees)
+        return _make(index, body, trees, downtime)
     except (ValueError, IndexError, KeyError, TypeError, OverflowError, msgspec.DecodeError) as e:
         for tree in trees:
             tree.clear()
@@ -365,7 +381,7 @@ def _build(index: IndexState, body: Body) -> RestoredState:
         raise
 
 
-def _make(index: IndexState, body: Body, made: list[Tree]) -> RestoredState:
+def _make(index: IndexState, body: Body, made: list[Tree], downtime: bool = True) -> RestoredState:
     capped = index.max_nodes is not None
     nodes_of: dict[tuple[str, int], list[Node]] = {}
     models: dict[str, tuple[ModelState, bool]] = {}
@@ -401,7 +417,8 @@ def _make(index: IndexState, body: Body, made: list[Tree]) -> RestoredState:
         w = WorkerState(ws.wid, ws.engine, ws.dp_rank, ws.model, mo.rows)
         w.last_seq, w.last_ts = ws.last_seq, ws.last_ts
         # Monotonic clocks do not survive a process: age the last apply by the downtime.
-        w.last_apply = None if ws.age_s is None else now - ws.age_s - max(0.0, time.time() - body.created)
+        down = max(0.0, time.time() - body.created) if downtime else 0.0
+        w.last_apply = None if ws.age_s is None else now - ws.age_s - down
         w.stale, w.stale_reason = ws.stale, ws.stale_reason
         w.batches, w.restarts, w.gaps, w.dropped = ws.batches, ws.restarts, ws.gaps, dict(ws.dropped)
         for gs in ws.groups:

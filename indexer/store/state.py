@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence, ValuesView
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from indexer.store.inflight import InFlight
+from indexer.store.journal import CLOSE, COUNT, COUNT_DROPPED, Journal
 from indexer.store.tree import MAX_TIERS, Kids, Node, Tree
 
 if TYPE_CHECKING:
@@ -233,6 +234,12 @@ class IndexState:
         self.max_groups = int(max_groups)
         self.max_tiers = min(int(max_tiers), MAX_TIERS)
         self._clock = clock
+        # The clock as given: what reads outside the index's calls use (now()), and what
+        # _clock goes back to when a recording ends (a Journal wraps it meanwhile).
+        self._raw_clock = clock
+        # The recording's journal (indexer.ingest.record), or None: every call that can
+        # change an answer hands itself to it under the lock.
+        self._rec: Journal | None = None
         self._lock = threading.Lock()
         # What the index routed and has not seen announced (predictions, in-flight load).
         self.predicted_credit = float(predicted_credit)
@@ -278,7 +285,10 @@ class IndexState:
     def close(self) -> None:
         """Free the whole index now (nodes are outside the cycle collector)."""
         with self._lock:
-            self._clear()
+            if self._rec is not None:
+                self._rec.run(CLOSE, self._clear, ())
+            else:
+                self._clear()
 
     def _clear(self) -> None:
         """Make the state empty, as built (the caller holds the lock): every tree freed, no
@@ -326,12 +336,18 @@ class IndexState:
     def count(self, name: str, n: int = 1) -> None:
         """Add ``n`` to one of ``stats()["counters"]`` (for the transport's own events)."""
         with self._lock:
-            self._count(name, n)
+            if self._rec is not None:
+                self._rec.run(COUNT, self._count, (name, n))
+            else:
+                self._count(name, n)
 
     def count_dropped(self, engine: str, dp_rank: int | None, reason: str) -> None:
         """Count a message the transport dropped before decoding (R-DEC-3)."""
         with self._lock:
-            self._drop(engine, "", dp_rank, reason)
+            if self._rec is not None:
+                self._rec.run(COUNT_DROPPED, self._drop, (engine, "", dp_rank, reason))
+            else:
+                self._drop(engine, "", dp_rank, reason)
 
     # ------------------------------------------------------- models and tiers
 
@@ -404,8 +420,26 @@ class IndexState:
         return self._lock
 
     def now(self) -> float:
-        """The index's clock (monotonic unless one was given)."""
-        return self._clock()
+        """The index's clock (monotonic unless one was given); a recording does not
+        note this reading (it is not part of any call the index journals)."""
+        return self._raw_clock()
+
+    @property
+    def journal(self) -> Journal | None:
+        """The recording's journal while one is attached (:mod:`indexer.ingest.record`)."""
+        return self._rec
+
+    def options(self) -> dict[str, Any]:
+        """The settings an index was built with, as keyword arguments of its constructor
+        (a replay builds its index from them). Changes nothing."""
+        inf = self.inflight
+        return {"credits": dict(self.credits), "total_chain": list(self.total_chain),
+                "stale_factor": self.stale_factor, "max_orphans": self.max_orphans,
+                "orphan_ttl_s": self.orphan_ttl_s, "max_nodes": self.max_nodes, "max_dp_rank": self.max_dp_rank,
+                "max_groups": self.max_groups, "max_tiers": self.max_tiers,
+                "predicted_credit": self.predicted_credit, "prefill_ttl_s": inf.prefill_ttl_s,
+                "decode_ttl_s": inf.decode_ttl_s, "max_in_flight": inf.max_in_flight,
+                "default_block_size": self.default_block_size}
 
     @property
     def tier_names(self) -> tuple[str, ...]:
@@ -485,3 +519,5 @@ class IndexState:
             for age_s, wg, ph, entry in st.orphans:
                 q.append((t0 - age_s, wg, ph, entry))
             self._orphans += len(st.orphans)
+            if self._rec is not None and self._rec.on_restore is not None:
+                self._rec.on_restore()  # a state not made by journaled calls: the recording starts again here

@@ -215,3 +215,43 @@ def test_with_auth_reads_the_page_asks_for_the_token_and_sends_it(browser, tmp_p
         ctx.close()
     finally:
         srv.stop()
+
+
+def test_the_time_slider_shows_the_fleet_as_the_recording_had_it(browser, tmp_path):
+    """serve --record: the page's time machine replays the recording to the slider's moment.
+    At the right end the worker holds the 4 blocks published; at the left end, before the
+    store, it holds none; a route made is listed with the worker it chose."""
+    pub = VllmPublisher("tcp://127.0.0.1:*", bind=True)
+    srv = Server("--record", str(tmp_path / "rec"), "--engine", f"tm-a={pub.live_endpoint}")
+    try:
+        c = srv.client
+        wait_subscribed(c, pub, "tm-a")
+        pub.publish([store(P, BS, 0, 4)])
+        wait_for(lambda: worker(c, "tm-a/0")["last_seq"] == 0, what="the store applied")
+        st, r = c.post("/v1/route", {"token_ids": P})
+        assert st == 200 and r["worker"] == "tm-a/0"
+        ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
+        pg = ctx.new_page()
+        errors: list[str] = []
+        pg.on("pageerror", lambda e: errors.append(str(e)))
+        pg.goto(f"http://127.0.0.1:{srv.port}/ui")
+        pg.wait_for_selector("#timemachine-section:not([hidden])", timeout=10_000)
+
+        def moment(value: int) -> None:
+            n = int(pg.evaluate("Number(document.body.dataset.moments || 0)"))
+            pg.evaluate(f"(() => {{ const s = document.querySelector('#tm-slider'); s.value = '{value}'; "
+                        "s.dispatchEvent(new Event('input')); })()")
+            pg.wait_for_function(f"Number(document.body.dataset.moments || 0) > {n}", timeout=10_000)
+
+        moment(900)  # now: the store and the route are in the recording
+        row = pg.locator('#tm-workers tr[data-worker="tm-a/0"]')
+        assert "GPU 4" in row.inner_text()
+        assert "tm-a/0" in pg.locator("#tm-decisions tbody").inner_text()
+        moment(0)  # the recording's start: the worker registered, nothing stored yet
+        assert "GPU" not in pg.locator('#tm-workers tr[data-worker="tm-a/0"]').inner_text()
+        assert pg.locator("#tm-decisions tbody tr").count() == 0
+        ctx.close()
+        assert not errors, errors
+    finally:
+        srv.stop()
+        pub.close()

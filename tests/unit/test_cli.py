@@ -71,7 +71,7 @@ def test_module_entry_point_runs_the_offline_demo_and_the_old_name_still_works()
 
 
 def test_one_parser_behind_every_entry_point():
-    expected = ["serve", "relay", "demo-prompt", "demo-offline", "decode", "simulate"]
+    expected = ["serve", "relay", "demo-prompt", "demo-offline", "replay", "decode", "simulate"]
     module = run(sys.executable, "-m", "indexer", "--help")
     assert module.returncode == 0 and module.stdout.startswith("usage: python -m indexer ")
     assert commands(module.stdout) == expected

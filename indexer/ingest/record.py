@@ -1,0 +1,361 @@
+"""Record an index: every call that can change an answer, and every answer, to rotating
+segment files that :func:`indexer.ingest.replay.replay` turns back into the same index
+and the same answers (``docs/record.md``).
+
+:class:`Recorder` attaches a :class:`~indexer.store.journal.Journal` to a
+:class:`~indexer.PrefixIndex`: each journaled call (a batch applied, a worker registered,
+removed, reset or marked stale, a route, a match, a done, a load correction, a peer's
+in-flight news) is queued under the index lock with its clock readings, at the cost of a
+tuple and a deque append; a background thread encodes the queue (prompts and payloads as
+the privacy mode keeps them, :mod:`.recprivacy`) and appends it to the current segment.
+A segment starts with a *base*, the index's whole state at that point (its snapshot, the
+in-flight view, the exact clock values), so the oldest segments can go (size and age caps)
+and what is left still replays.
+
+A write that fails (disk full, directory gone or unwritable) or a writer that falls
+``max_pending`` records behind stops the recording: the journal is detached, the reason
+counted and logged, and the index goes on serving as if never recorded.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from typing import IO, Any
+
+import msgspec
+
+from indexer.ingest.recfile import MAGIC, frame, segment_name, segments
+from indexer.ingest.recops import encode_call, encode_result
+from indexer.ingest.recprivacy import MODES, strip_event
+from indexer.query.index import PrefixIndex
+from indexer.store.flightstate import dump_flight
+from indexer.store.journal import Journal
+from indexer.store.snapshot import cut_locked, finish
+
+__all__ = ["Recorder", "FORMAT"]
+
+log = logging.getLogger("indexer.ingest.record")
+
+FORMAT = 1
+_enc = msgspec.msgpack.Encoder()
+
+
+class Recorder:
+    """Records one index to ``directory`` (see the module).
+
+    Parameters
+    ----------
+    directory:
+        Where the segments go (made if missing).
+    max_bytes, max_age_s:
+        Caps on the whole recording: beyond, the oldest segments are deleted (counted);
+        ``max_age_s`` 0 keeps segments of any age. The current segment is never deleted.
+    segment_bytes, segment_s:
+        A segment is closed and the next one (with its own base) begun past either.
+    tokens:
+        ``"hashed"`` (default), ``"full"`` or ``"none"``: what is kept of prompts and of
+        the payloads' token ids (:mod:`.recprivacy`).
+    flush_s:
+        How often the writer wakes to write what was queued.
+    max_pending:
+        Records queued at most while the writer is behind; beyond, the recording stops.
+    """
+
+    def __init__(self, directory: str, *, max_bytes: int = 1 << 30, max_age_s: float = 0.0,
+                 segment_bytes: int = 64 << 20, segment_s: float = 600.0, tokens: str = "hashed",
+                 flush_s: float = 0.2, max_pending: int = 1_000_000) -> None:
+        if tokens not in MODES:
+            raise ValueError(f"tokens must be one of {', '.join(MODES)}, not {tokens!r}")
+        if segment_bytes < 4096 or max_bytes < segment_bytes:
+            raise ValueError("record_segment_bytes must be >= 4096 and <= record_max_bytes")
+        self.directory = directory
+        self.max_bytes = int(max_bytes)
+        self.max_age_s = float(max_age_s)
+        self.segment_bytes = int(segment_bytes)
+        self.segment_s = float(segment_s)
+        self.tokens = tokens
+        self.flush_s = float(flush_s)
+        self.journal: Journal | None = None
+        self.index: PrefixIndex | None = None
+        self._max_pending = int(max_pending)
+        self._file: IO[bytes] | None = None
+        self._seg_n = -1
+        self._seg_start = 0.0
+        self._seg_bytes = 0
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+        self._halt = False
+        self._want_base = False
+        self.stopped: str | None = None  # why the recording stopped (None: recording, or never started)
+        # Counters (the service exports them as kvi_record_*).
+        self.records = 0
+        self.bytes_written = 0
+        self.segments_started = 0
+        self.segments_dropped: dict[str, int] = {"size": 0, "age": 0}
+        self.errors: dict[str, int] = {}
+        self.answers = 0
+
+    # ------------------------------------------------------------------ attach
+
+    def attach(self, index: PrefixIndex) -> None:
+        """Start recording ``index`` from its state now: its clock is journaled from here
+        on and the first segment's base is this state. Raises OSError when the directory
+        cannot be made or written (nothing attached), ValueError when ``index`` is being
+        recorded already. Routes in flight from before are part of the base (replayed as
+        they were routed)."""
+        os.makedirs(self.directory, exist_ok=True)
+        if not os.access(self.directory, os.W_OK):
+            raise PermissionError(errno.EACCES, "not writable", self.directory)
+        existing = segments(self.directory)
+        self._seg_n = existing[-1][0] if existing else -1
+        with index.lock:
+            if index.journal is not None:
+                raise ValueError("this index is being recorded already")
+            j = Journal(index._raw_clock, self._max_pending)
+            j.on_restore = self._base_locked
+            self.journal = j
+            self.index = index
+            index._rec = j
+            index._clock = j.clock
+            index.inflight.clock = j.clock
+            self._base_locked()
+        self.stopped = None
+
+    def detach(self) -> None:
+        """Stop journaling (the index's clock is its own again); what was queued is still
+        written by :meth:`stop`."""
+        index = self.index
+        if index is None:
+            return
+        with index.lock:
+            if index._rec is self.journal:
+                index._rec = None
+                index._clock = index._raw_clock
+                index.inflight.clock = index._raw_clock
+
+    def _base_locked(self) -> None:
+        """Queue a base (the caller holds the index lock): the next segment starts here."""
+        index, j = self.index, self.journal
+        assert index is not None and j is not None
+        cut = cut_locked(index)
+        exact = {"workers": [[w.engine, w.dp_rank, w.last_apply] for w in index.worker_states()],
+                 "orphans": [t for t, _, _, _ in index.orphan_entries()]}
+        head = {"format": FORMAT, "tokens": self.tokens, "options": index.options(), "tie_slot": list(index.tie_slot),
+                "t": cut["now"], "wall": time.time(), "empty": index.is_empty()}
+        j.mark(("base", head, cut, dump_flight(index.inflight), exact))
+
+    def note(self, kind: str, engine: str, rank: int, detail: Any = None) -> None:
+        """Queue a note (a sequencer's decision about a worker): shown by a replay, no state."""
+        j = self.journal
+        if j is not None and self.stopped is None:
+            j.note(kind, engine, rank, detail)
+
+    # ------------------------------------------------------------------ the writer
+
+    def start(self) -> None:
+        """Start the writer thread."""
+        if self._thread is None:
+            self._halt = False
+            self._thread = threading.Thread(target=self._run, name="kvidx-record", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Detach, write what is queued and close the segment."""
+        self.detach()
+        t = self._thread
+        if t is not None:
+            self._halt = True
+            self._wake.set()
+            t.join(timeout=30)
+            self._thread = None
+        else:
+            self._drain()
+        self._close_file()
+        if self.stopped is None:
+            self.stopped = "stopped"
+
+    def flush(self) -> None:
+        """Write what is queued now (on the caller's thread when no writer runs)."""
+        if self._thread is None:
+            self._drain()
+        else:
+            done = threading.Event()
+            j = self.journal
+            if j is not None:
+                j.records.append(("flush", done))
+                self._wake.set()
+                done.wait(10)
+        if self._file is not None:
+            self._file.flush()
+
+    def _run(self) -> None:
+        while not self._halt:
+            self._wake.wait(self.flush_s)
+            self._wake.clear()
+            self._drain()
+            if self._file is not None and self.stopped is None:
+                self._maybe_rotate()
+        self._drain()
+
+    def _drain(self) -> None:
+        j = self.journal
+        if j is None:
+            return
+        q = j.records
+        out: list[bytes] = []
+        try:
+            while q:
+                item = q.popleft()
+                kind = item[0]
+                if kind == "flush":
+                    self._write(out)
+                    out = []
+                    item[1].set()
+                    continue
+                if self.stopped is not None:
+                    continue  # stopped: what was queued after the stop is not written
+                if kind == "base":
+                    self._write(out)
+                    out = []
+                    self._new_segment(item)
+                    continue
+                out.append(frame(self._encode(item)))
+            self._write(out)
+            if j.overflowed and self.stopped is None:
+                self._stop_recording("overflow", f"the writer fell {self._max_pending} records behind")
+        except OSError as e:
+            self._stop_recording("disk_full" if e.errno == errno.ENOSPC else "io_error", str(e))
+
+    def _encode(self, item: tuple[Any, ...]) -> bytes:
+        kind = item[0]
+        if kind == "note":
+            return _enc.encode(list(item))
+        op, wall, args, result, times = item
+        self.records += 1
+        res = encode_result(op, result)
+        if isinstance(res, list) and len(res) == 3 and isinstance(res[1], int):
+            self.answers += 1
+        return _enc.encode([op, wall, times, encode_call(op, args, result, self.tokens), res])
+
+    def _write(self, frames: list[bytes]) -> None:
+        if not frames or self._file is None or self.stopped is not None:
+            return
+        data = b"".join(frames)
+        self._file.write(data)
+        self._file.flush()
+        self._seg_bytes += len(data)
+        self.bytes_written += len(data)
+
+    def _new_segment(self, base: tuple[Any, ...]) -> None:
+        _, head, cut, flight, exact = base
+        if self.tokens != "full":
+            cut["orphans"] = [msgspec.structs.replace(o, event=_strip_orphan(o.event, self.tokens))
+                              for o in cut["orphans"]]
+        snap = None if head["empty"] else finish(cut)
+        self._close_file()
+        self._seg_n += 1
+        wall = head["wall"]
+        path = os.path.join(self.directory, segment_name(self._seg_n, int(wall * 1000)))
+        f = open(path, "wb")  # noqa: SIM115  # kept open across writes; closed by _close_file
+        self._file = f
+        self._seg_start = time.monotonic()
+        self._seg_bytes = 0
+        self.segments_started += 1
+        self._want_base = False
+        head = dict(head, segment=self._seg_n, ops=self.records)
+        data = MAGIC + frame(_enc.encode(["base", head, snap, flight, exact]))
+        f.write(data)
+        f.flush()
+        self._seg_bytes += len(data)
+        self.bytes_written += len(data)
+        self._enforce_caps()
+
+    def _maybe_rotate(self) -> None:
+        if self._seg_bytes >= self.segment_bytes or time.monotonic() - self._seg_start >= self.segment_s:
+            self.rotate()
+
+    def rotate(self) -> None:
+        """Begin a new segment (with a base of the state now) at the next write."""
+        index = self.index
+        if self._want_base or index is None or index.journal is None:
+            return
+        self._want_base = True
+        with index.lock:
+            self._base_locked()
+
+    def _enforce_caps(self) -> None:
+        segs = segments(self.directory)
+        if len(segs) <= 1:
+            return
+        sizes = {p: _size(p) for _, _, p in segs}
+        total = sum(sizes.values())
+        now_ms = time.time() * 1000
+        for i, (_, _, path) in enumerate(segs[:-1]):
+            ended_ms = segs[i + 1][1]  # a segment ends where the next begins
+            if total > self.max_bytes:
+                why = "size"
+            elif self.max_age_s > 0 and now_ms - ended_ms > self.max_age_s * 1000:
+                why = "age"
+            else:
+                break
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+            total -= sizes[path]
+            self.segments_dropped[why] += 1
+
+    def _close_file(self) -> None:
+        f, self._file = self._file, None
+        if f is not None:
+            try:
+                f.close()
+            except OSError as e:
+                self._count_error("io_error", str(e))
+
+    def _stop_recording(self, reason: str, detail: str) -> None:
+        """Stop for good (the index keeps serving): detach, count, log."""
+        self.stopped = reason
+        self._count_error(reason, detail)
+        log.error("recording to %s stopped (%s): %s; the service goes on without it", self.directory, reason, detail)
+        self.detach()
+        j = self.journal
+        if j is not None:
+            q = j.records
+            while q:  # what is queued is not written; a flush waiting on it is told so
+                item = q.popleft()
+                if item[0] == "flush":
+                    item[1].set()
+        try:
+            self._close_file()
+        except OSError:
+            pass
+
+    def _count_error(self, reason: str, detail: str) -> None:
+        self.errors[reason] = self.errors.get(reason, 0) + 1
+
+    def stats(self) -> dict[str, Any]:
+        """The recording's counters (the service's ``kvi_record_*``), JSON-able."""
+        j = self.journal
+        return {
+            "directory": self.directory, "tokens": self.tokens, "recording": self.stopped is None and j is not None,
+            "stopped": self.stopped, "records": self.records, "answers": self.answers,
+            "bytes_written": self.bytes_written, "segments_started": self.segments_started,
+            "segments_dropped": dict(self.segments_dropped), "errors": dict(self.errors),
+            "pending": len(j.records) if j is not None else 0, "segment": self._seg_n,
+        }
+
+
+def _strip_orphan(event: bytes, mode: str) -> bytes:
+    return _enc.encode(strip_event(msgspec.msgpack.decode(event), mode))
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0

@@ -1,0 +1,126 @@
+"""The index's journal: every call that can change what the index answers, in the order
+the index lock took them, with its arguments, its result and each reading of the index
+clock it made.
+
+A :class:`Journal` is what a recording index (``IndexState._rec``) hands each of those
+calls to, under the index lock: :meth:`Journal.run` runs the call, notes the clock
+readings it made (the index's clock is :meth:`Journal.clock` while one is attached) and
+queues ``(op, wall time, args, result, clock readings)`` for a writer thread
+(:mod:`indexer.ingest.record`). Nothing here encodes or writes: the hot paths pay a
+tuple and a deque append. Reads of the clock outside a journaled call (a stats poll, a
+snapshot's cut, explain) are not noted, so a replay feeds each call exactly the readings
+it made.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["Journal", "Raised", "OPS"]
+
+_wall = time.time
+
+# Op codes: the journal's vocabulary (kept stable: recordings name ops by these numbers).
+APPLY = 1
+APPLY_SEQUENCED = 2
+DROP_WORKER = 3
+DROP_ENGINE = 4
+RESET_WORKER = 5
+CLEAR_ENGINE = 6
+REGISTER = 7
+MARK_STALE = 8
+CLEAR_STALE = 9
+COUNT = 10
+COUNT_DROPPED = 11
+ROUTE = 12
+ROUTE_DONE = 13
+CORRECT_LOAD = 14
+TIE_SLOT = 15
+ADOPT_PEER = 16
+END_PEER = 17
+FORGET_PEER_WORKER = 18
+DROP_PEER = 19
+EXPIRE = 20  # a read that ends what is due in flight (workers, stats, own_requests)
+MATCH = 21
+MATCH_BY_KEYS = 22
+MATCH_PLAIN = 23
+CLOSE = 24
+
+OPS = {v: k.lower() for k, v in dict(globals()).items() if k.isupper() and isinstance(v, int) and k != "OPS"}
+
+# Queries (their answers are what a replay checks) and the rest (state changes).
+QUERIES = frozenset({ROUTE, MATCH, MATCH_BY_KEYS, MATCH_PLAIN})
+
+
+class Raised:
+    """A journaled call that raised: its exception's type name and message."""
+
+    __slots__ = ("kind", "message")
+
+    def __init__(self, e: BaseException) -> None:
+        self.kind = type(e).__name__
+        self.message = str(e)
+
+
+class Journal:
+    """The queue a recording index writes to (see the module). Not thread-safe by
+    itself: :meth:`run` and :meth:`clock` are called under the index lock; the writer
+    takes from :attr:`records` (a deque: append and popleft are atomic)."""
+
+    __slots__ = ("records", "times", "active", "raw", "max_pending", "overflowed", "on_restore")
+
+    def __init__(self, raw: Callable[[], float], max_pending: int = 1_000_000) -> None:
+        self.records: deque[tuple[Any, ...]] = deque()
+        self.times: list[float] = []
+        self.active = False
+        self.raw = raw
+        self.max_pending = max_pending
+        self.overflowed = False  # the writer fell behind by max_pending records: recording stops
+        # Called under the lock when the index's whole state was replaced (a snapshot
+        # restored): the recorder starts a segment with a new base there.
+        self.on_restore: Callable[[], None] | None = None
+
+    def clock(self) -> float:
+        """The index's clock while recording: a reading inside a journaled call is noted."""
+        t = self.raw()
+        if self.active:
+            self.times.append(t)
+        return t
+
+    def run(self, op: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """Call ``fn(*args)`` (the caller holds the index lock) and queue the call with its
+        result or exception and its clock readings; returns what ``fn`` returns."""
+        self.active = True
+        times = self.times = []
+        try:
+            r = fn(*args)
+        except BaseException as e:
+            self.active = False
+            self._put((op, _wall(), args, Raised(e), times))
+            raise
+        self.active = False
+        q = self.records
+        if len(q) < self.max_pending:  # _put, inline: this runs once per batch and per query
+            q.append((op, _wall(), args, r, times))
+        else:
+            self.overflowed = True
+        return r
+
+    def note(self, kind: str, engine: str, rank: int, detail: Any = None) -> None:
+        """Queue a sequencer's decision about a worker (``replayed``, ``replay_requested``,
+        a counted outcome): shown by a replay, no state of its own. Any thread."""
+        self._put(("note", time.time(), kind, engine, rank, detail))
+
+    def mark(self, item: tuple[Any, ...]) -> None:
+        """Queue something that is not a call (a segment's base, a note), in order."""
+        self._put(item)
+
+    def _put(self, item: tuple[Any, ...]) -> None:
+        q = self.records
+        if len(q) >= self.max_pending:
+            self.overflowed = True  # the writer sees it and stops the recording
+            return
+        q.append(item)
