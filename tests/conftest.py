@@ -100,3 +100,13 @@ def mooncake_trace():
         pytest.skip(f"no Mooncake trace at {TRACE} (the team's shared data beside the repository; "
                     "KVI_TRACE names another copy): the same checks run on synthetic requests in this test's twin")
     return TRACE
+
+
+@pytest.fixture
+def natsd(tmp_path):
+    """A real nats-server with JetStream on 127.0.0.1 (tests/natsd.py), stopped after the test."""
+    from natsd import NatsServer
+
+    s = NatsServer(tmp_path / "nats")
+    yield s
+    s.stop()

@@ -25,6 +25,19 @@ class FakeClock:
     def __call__(self) -> float:
         return self.t
 
+    def advance(self, s: float) -> None:
+        self.t += s
+
+
+def abc_fleet(clock, **kw):
+    """A PrefixIndex on ``clock`` with three workers a, b, c of the default model, nothing cached."""
+    from indexer import PrefixIndex
+
+    idx = PrefixIndex(clock=clock, **kw)
+    for e in ("a", "b", "c"):
+        idx.register_worker(e, 0)
+    return idx
+
 
 def toks(base: int, nblocks: int, bs: int) -> list[int]:
     return list(range(base, base + nblocks * bs))

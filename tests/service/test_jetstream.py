@@ -209,13 +209,6 @@ def wait_caught_up(reps: list[JetStreamIngest], fleet: Fleet, timeout: float = 3
 
 
 @pytest.fixture
-def natsd(tmp_path):
-    s = NatsServer(tmp_path / "nats")
-    yield s
-    s.stop()
-
-
-@pytest.fixture
 def fleet():
     f = Fleet()
     yield f

@@ -28,13 +28,6 @@ HB = 0.2  # heartbeat: a silent peer is dropped after 3 of them
 
 
 @pytest.fixture
-def natsd(tmp_path):
-    s = NatsServer(tmp_path / "nats")
-    yield s
-    s.stop()
-
-
-@pytest.fixture
 def replicas():
     """``replicas(url, n)``: n indexes of one fleet (workers e0..e3), each with route sync
     started and ready; all stopped after the test."""

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from evkit import FakeClock, apply, store, toks
+from evkit import FakeClock, abc_fleet, apply, store, toks
 from indexer import PrefixIndex
 from indexer.producer.events import Cleared
 from indexer.query.route import Load
@@ -18,22 +18,12 @@ BS = 16
 OPS = int(os.environ.get("KVI_INFLIGHT_OPS", "300"))  # raise it for a longer local run
 
 
-class Clock(FakeClock):
-    def advance(self, s: float) -> None:
-        self.t += s
-
-
 @pytest.fixture
 def clock():
-    return Clock(1000.0)
+    return FakeClock(1000.0)
 
 
-def fleet(clock, **kw) -> PrefixIndex:
-    """Three workers a, b, c of the default model, nothing cached."""
-    idx = PrefixIndex(clock=clock, **kw)
-    for e in ("a", "b", "c"):
-        idx.register_worker(e, 0)
-    return idx
+fleet = abc_fleet
 
 
 def test_R_Q_6_a_routed_prompt_is_predicted_on_its_worker_until_announced(clock):

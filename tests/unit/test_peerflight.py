@@ -9,18 +9,12 @@ from array import array
 
 import pytest
 
-from evkit import FakeClock, apply, store, toks
-from indexer import PrefixIndex
+from evkit import FakeClock, abc_fleet, apply, store, toks
 from indexer.producer.events import Cleared
 from indexer.store.peerflight import PeerEntry
 from indexer.wire.keys import block_keys
 
 BS = 16
-
-
-class Clock(FakeClock):
-    def advance(self, s: float) -> None:
-        self.t += s
 
 
 class Told:
@@ -41,14 +35,10 @@ class Told:
 
 @pytest.fixture
 def clock():
-    return Clock(1000.0)
+    return FakeClock(1000.0)
 
 
-def fleet(clock, **kw) -> PrefixIndex:
-    idx = PrefixIndex(clock=clock, **kw)
-    for e in ("a", "b", "c"):
-        idx.register_worker(e, 0)
-    return idx
+fleet = abc_fleet
 
 
 def entry(rid: str, prompt: list[int], engine: str, *, decode: int = 0, age: float = 0.0,
