@@ -62,10 +62,13 @@ class _TokenCheck:
 def create_app(settings: Settings | None = None, index: PrefixIndex | None = None) -> FastAPI:
     """Build the app. ``settings`` default to :class:`Settings` defaults (no file or
     environment is read here: that is the CLI's job); ``index`` defaults to a new
-    :class:`PrefixIndex` built from the settings. The service (``app.state.service``)
+    :class:`PrefixIndex` built from the settings. ``replica_slot`` sets the index's tie slot
+    (a given index's too, unless it is the default 0/1). The service (``app.state.service``)
     starts and stops with the app's lifespan."""
     settings = settings or Settings()
     index = index if index is not None else PrefixIndex(**settings.index_options())
+    if settings.tie_slot() != (0, 1):  # else the index keeps its own (a new one's is 0/1)
+        index.set_tie_slot(*settings.tie_slot())
     svc = Service(settings, index, JSON_ROUTES)
 
     @asynccontextmanager

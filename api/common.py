@@ -4,6 +4,7 @@ checks and the off-loop helper for ingest commands."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import msgspec
 
@@ -15,6 +16,21 @@ _U64 = (1 << 64) - 1
 def error_body(detail: str, key: str = "detail") -> bytes:
     """An error answer's JSON body: ``{key: detail}`` ("detail" ours and FastAPI's, "error" Dynamo's)."""
     return ENC.encode({key: detail})
+
+
+_OAI_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError", 422: "BadRequestError",
+              429: "RateLimitError", 501: "NotImplementedError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
+              504: "GatewayTimeoutError"}
+
+
+def oai_error(status: int, message: str, headers: dict[str, str] | None = None) -> Any:
+    """An error answer shaped as vLLM's OpenAI server shapes its own (the gateway's routes):
+    ``{"error": {"message", "type", "param", "code"}}``."""
+    from fastapi.responses import Response
+
+    body = {"error": {"message": message, "type": _OAI_TYPES.get(status, "InternalServerError"), "param": None,
+                      "code": status}}
+    return Response(ENC.encode(body), status_code=status, media_type=JSON, headers=headers)
 
 
 class HTTPError(Exception):

@@ -31,4 +31,5 @@ def discovery_for(settings: Settings, ingest: Any) -> DnsDiscovery | NoDiscovery
     if d is None:
         return NoDiscovery()
     return DnsDiscovery(ingest, d.dns_name, port=d.port, replay_port=d.replay_port, metrics_port=d.metrics_port,
+                        api_port=d.api_port,
                         dp_size=d.dp_size, model=d.model, topic=d.topic, interval_s=d.interval_s, grace_s=d.grace_s)

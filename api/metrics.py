@@ -15,7 +15,8 @@ histograms the app observes. Every label set is bounded:
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -77,10 +78,17 @@ class _Histograms:
         return fam
 
 
+class Families(Protocol):
+    """Something that adds its own metric families to a scrape (read from its counters)."""
+
+    def families(self) -> Iterator[Any]: ...
+
+
 class Metrics:
     """The registry of one app: histograms observed per query, the rest read on scrape."""
 
-    def __init__(self, index: Any, ingest: Ingest, api_errors: dict, auth: Auth, state: StateKeeper) -> None:
+    def __init__(self, index: Any, ingest: Ingest, api_errors: dict, auth: Auth, state: StateKeeper,
+                 sources: tuple[Families, ...] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.query_seconds = _Histograms(
             f"{NS}_query_duration_seconds", "Time to answer a query route, in the handler.", _LATENCY_BUCKETS)
@@ -88,7 +96,7 @@ class Metrics:
             f"{NS}_query_matched_blocks", "Longest prefix (blocks, all tiers) of the best worker per query.",
             _BLOCK_BUCKETS)
         self.registry.register(_IndexCollector(index, ingest, api_errors, (self.query_seconds, self.matched_blocks),
-                                               auth, state))
+                                               auth, state, sources))
 
     def observe(self, route: str, seconds: float, blocks: int) -> None:
         """Count one query of ``route`` in both histograms (one frame: it runs per query)."""
@@ -102,8 +110,9 @@ class Metrics:
 
 class _IndexCollector:
     def __init__(self, index: Any, ingest: Ingest, api_errors: dict, histograms: tuple, auth: Auth,
-                 state: StateKeeper) -> None:
+                 state: StateKeeper, sources: tuple[Families, ...]) -> None:
         self.index = index
+        self.sources = sources  # route sync's kvi_route_sync_*, the gateway's kvi_gateway_*
         self.state = state  # api.state.StateKeeper: snapshots loaded and written
         self.ingest = ingest
         self.api_errors = api_errors  # {(route path, status): n}, kept by the app
@@ -233,6 +242,8 @@ class _IndexCollector:
         if self.ingest.counters:  # a JetStream replica's (indexer.ingest.jetstream); the ZMQ ingest has none
             yield from _jetstream(self.ingest)
         yield from _snapshots(self.state)
+        for src in self.sources:
+            yield from src.families()
 
 
 def _snapshots(k: StateKeeper):

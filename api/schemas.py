@@ -161,6 +161,8 @@ class EngineRequest(_Req, frozen=True):
     dp_size: Annotated[int, Meta(ge=1, le=1024)] = 1
     # vLLM's Prometheus /metrics (http:// or https://): scraped to correct the in-flight load.
     metrics_url: Annotated[str, Meta(max_length=2048, pattern=r"^https?://[^\s@/]+(/\S*)?$")] | None = None
+    # Its OpenAI-compatible server (http://HOST:PORT): the gateway forwards requests there.
+    api_url: Annotated[str, Meta(max_length=2048, pattern=r"^https?://[^\s@/]+/?$")] | None = None
 
 
 # --- Dynamo standalone indexer (``python -m dynamo.indexer``) request shapes.
@@ -235,6 +237,7 @@ class EngineOut(msgspec.Struct):
     dp_size: int
     dp_rank_start: int
     metrics_url: str | None
+    api_url: str | None
 
 
 class TokenizeResponse(msgspec.Struct):

@@ -19,9 +19,12 @@ from api.common import off_loop
 from api.discovery import NoDiscovery, discovery_for
 from api.dynamo import Dynamo
 from api.jsonroutes import Endpoints, JsonSpec
+from api.ledger import Ledger
 from api.metrics import Metrics
 from api.routes.admin import EngineAdmin
+from api.routes.gateway import GatewayLike, gateway_for
 from api.routes.query import Queries
+from api.routesync import RouteSyncLike, route_sync_for
 from api.settings import Settings
 from api.state import NoStateDir, StateKeeper
 from api.ui import Decisions, Sampler
@@ -55,9 +58,13 @@ class Service:
             self.state = StateKeeper(settings)
             self.ingest = zmq = self._indexer(settings, index)
             self.discovery = discovery_for(settings, zmq)
+        # Other router replicas' decisions into this index's in-flight view (NoRouteSync: none).
+        self.route_sync: RouteSyncLike = route_sync_for(settings, index)
         self.auth = Auth(settings.api_token, settings.auth_reads) if settings.api_token else OpenAuth()
         self.api_errors: dict[tuple[str, int], int] = {}
-        self.metrics = Metrics(index, self.ingest, self.api_errors, self.auth, self.state)
+        self.ledger = Ledger()  # the gateway's predicted against delivered cached tokens
+        self.metrics = Metrics(index, self.ingest, self.api_errors, self.auth, self.state,
+                               (self.route_sync, self.ledger))
         # Each model's tokenizer (prompt / messages requests), loaded now: a bad directory stops the start.
         self.text = text.Texts(dict(settings.tokenizers), settings.max_request_tokens, index)
         self.decisions = Decisions()  # recent routing decisions, for the page (api/ui.py)
@@ -65,6 +72,9 @@ class Service:
         self.queries: Queries = Queries(settings, index, self.ingest, self.metrics, self.text, self.decisions)
         self.admin: EngineAdmin = EngineAdmin(settings, index, self.ingest)
         self.dynamo: Dynamo = Dynamo(self)
+        # The OpenAI gateway in front of the engines.
+        self.gateway: GatewayLike = gateway_for(settings, index, self.ingest, self.text, self.ledger, self.decisions,
+                                                self.auth)
         self.endpoints: Endpoints = Endpoints((spec.bind(self) for spec in routes), settings.max_request_bytes,
                                    self.api_errors, settings.fast_path)
 
@@ -108,21 +118,25 @@ class Service:
                 sum(st["dropped_payloads"].values()))
 
     def start(self) -> None:
-        """Start the ingest thread, the snapshot writer and discovery (the app's startup)."""
+        """Start the ingest thread, route sync, the snapshot writer and discovery (the app's startup)."""
         s = self.settings
         if not self.auth.enforced and not _is_loopback(s.host):
             log.warning("SECURITY: listening on %s without an API token: anyone who can reach port %d can register "
                         "engines (the index then connects where they say) and delete them. Set KVI_API_TOKEN or "
                         "api_token_file, and allowed_endpoints (docs/deploy.md, Security).", s.host, s.port)
         self.ingest.start()
+        self.route_sync.start()
         self.state.start(self.snapshot, self.state_version)
         self.discovery.start()
         log.info("kv-indexer ready: %d engine(s) configured%s", len(s.engines),
                  f", discovering {self.discovery.name}" if self.discovery.name else "")
 
     async def stop(self) -> None:
-        """Stop discovery and ingest, close the tokenizers' pool, write the last state (the app's shutdown)."""
+        """Stop discovery, route sync and ingest, close the tokenizers' pool, write the last state
+        (the app's shutdown)."""
         await off_loop(self.discovery.stop)
+        await self.route_sync.astop()  # its goodbye: the other replicas drop our requests now
+        await self.gateway.close()
         await self.ingest.astop()
         self.text.close()
         await off_loop(self.state.final)  # after ingest stopped: the last state exactly

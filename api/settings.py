@@ -32,6 +32,7 @@ class Discovery(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     replay_port: int | None = None
     # vLLM's HTTP port on each address: its /metrics correct the in-flight load estimate.
     metrics_port: int | None = None
+    api_port: int | None = None  # vLLM's OpenAI server: the gateway forwards there
     dp_size: int = 1
     model: str = "default"
     topic: str = ""
@@ -46,8 +47,10 @@ class Discovery(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
             v = getattr(self, name)
             if v is not None and not 1 <= v + self.dp_size - 1 <= 65535:
                 raise SettingsError(f"{name}: ports {v}..{v + self.dp_size - 1} must be 1..65535")
-        if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
-            raise SettingsError(f"metrics_port must be 1..65535, got {self.metrics_port}")
+        for name in ("metrics_port", "api_port"):
+            v = getattr(self, name)
+            if v is not None and not 1 <= v <= 65535:
+                raise SettingsError(f"{name} must be 1..65535, got {v}")
         if not 1 <= self.dp_size <= 1024:
             raise SettingsError(f"dp_size must be 1..1024, got {self.dp_size}")
         if not self.interval_s > 0 or self.grace_s < 0:
@@ -65,7 +68,7 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         "metrics_url})"))] = ()
     # Engines found by DNS (a Kubernetes headless Service), besides the static list.
     discovery: Annotated[Discovery | None, Meta(description=(
-        "engines by DNS: {dns_name, port, replay_port, metrics_port, dp_size, model, topic, interval_s, "
+        "engines by DNS: {dns_name, port, replay_port, metrics_port, api_port, dp_size, model, topic, interval_s, "
         "grace_s}"))] = None
     # Score credit per block served from each tier (contract R-Q-3).
     credits: Annotated[dict[str, float], Meta(description=(
@@ -114,11 +117,28 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         "seconds a route's prediction and prefill load last when its worker never announces the blocks"))] = 30.0
     decode_ttl_s: Annotated[float, Meta(description=(
         "seconds a route's decode load (max_tokens) lasts without POST /v1/route/{id}/done"))] = 300.0
+    # Replicas that route in the same instant cannot see each other's decisions; each
+    # starting ties at its own place spreads a burst as one router would (no herding).
+    replica_slot: Annotated[str, Meta(description=(
+        "this router's place among N replicas routing the same fleet, SLOT/N with 0 <= SLOT < N: where "
+        "/v1/route starts a tie on cost and score (0/1 = one router: engine id, then rank)"))] = "0/1"
     # Beyond it, the oldest is forgotten (counted).
     max_in_flight: Annotated[int, Meta(description=(
         "routed requests kept in flight at most (the oldest beyond are forgotten, counted)"))] = 20_000
     metrics_interval_s: Annotated[float, Meta(description=(
         "seconds between scrapes of engines' vLLM /metrics (engines with a metrics_url)"))] = 2.0
+    # The gateway (docs/gateway.md): /v1/completions and /v1/chat/completions forwarded to
+    # the engines' api_url. A CPU engine's first token can take a minute under load.
+    gateway_connect_timeout_s: Annotated[float, Meta(description=(
+        "gateway: seconds to connect to an engine (a refusal or timeout is retried once on the next worker)"))] = 5.0
+    gateway_first_token_timeout_s: Annotated[float, Meta(description=(
+        "gateway: seconds an engine may take to its response headers and first chunk"))] = 300.0
+    gateway_idle_timeout_s: Annotated[float, Meta(description=(
+        "gateway: seconds an engine may stay silent between two chunks of a stream"))] = 120.0
+    # Beyond it the next-ranked worker with room takes the request; none has room: 429.
+    gateway_max_per_worker: Annotated[int, Meta(description=(
+        "gateway: requests in flight to one worker at most; the next-ranked worker takes the rest, and when "
+        "every worker is full the client gets 429"))] = 256
     # Warm restarts: a mounted volume.
     state_dir: Annotated[str | None, Meta(description=(
         "directory of the index's snapshot (warm restart: loaded at start, written every "
@@ -135,6 +155,24 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     nats_stream: Annotated[str, Meta(description="JetStream stream of the event log")] = "KVI_EVENTS"
     nats_subject: Annotated[str, Meta(description="subject the relay publishes batches on")] = "kvi.events"
     nats_bucket: Annotated[str, Meta(description="JetStream object-store bucket of snapshots")] = "kvi-snapshots"
+    # Core NATS is enough: decisions, ends and heartbeats are messages, not a log.
+    route_sync: Annotated[str | None, Meta(description=(
+        "NATS server shared by router replicas: each replica's routing decisions and their ends reach the "
+        "others, so every /v1/route sees the whole fleet's in flight (docs/state.md); unset = this replica's "
+        "own view"))] = None
+    route_sync_subject: Annotated[str, Meta(description=(
+        "subject prefix of route sync (replicas of one fleet share it)"))] = "kvi.route"
+    route_sync_token: Annotated[str | None, Meta(description=(
+        "route sync's NATS auth token (prefer route_sync_token_file or the environment)"))] = None
+    route_sync_token_file: Annotated[str | None, Meta(description="a file holding route_sync_token")] = None
+    route_sync_creds: Annotated[str | None, Meta(description=(
+        "route sync's NATS credentials file (.creds: user JWT and NKey seed)"))] = None
+    # A peer silent for three heartbeats is gone: its requests leave within 4 heartbeats.
+    route_sync_heartbeat_s: Annotated[float, Meta(description=(
+        "seconds between route sync heartbeats; a replica silent for 3 of them is dropped with its requests"))] = 1.0
+    route_sync_join_timeout_s: Annotated[float, Meta(description=(
+        "seconds /readyz waits for route sync to reach NATS and fetch the other replicas' requests; then ready "
+        "on this replica's own view"))] = 5.0
     log_level: Annotated[str, Meta(description="critical, error, warning, info or debug")] = "info"
     log_json: Annotated[bool, Meta(description="log one JSON object per line")] = False
     access_log: Annotated[bool, Meta(description="log every HTTP request")] = False
@@ -187,6 +225,11 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         for name in ("prefill_ttl_s", "decode_ttl_s"):
             if not getattr(self, name) > 0:
                 bad(name, f"must be > 0, got {getattr(self, name)}")
+        for name in ("gateway_connect_timeout_s", "gateway_first_token_timeout_s", "gateway_idle_timeout_s"):
+            if not getattr(self, name) > 0:
+                bad(name, f"must be > 0, got {getattr(self, name)}")
+        if self.gateway_max_per_worker < 1:
+            bad("gateway_max_per_worker", f"must be >= 1, got {self.gateway_max_per_worker}")
         if not self.metrics_interval_s > 0:
             bad("metrics_interval_s", f"must be > 0, got {self.metrics_interval_s}")
         if self.snapshot_interval_s < 0:
@@ -197,12 +240,25 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
             bad("bootstrap_from", f"must be an http:// or https:// URL, got {self.bootstrap_from!r}")
         if self.nats_url is not None and not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
             bad("nats_url", f"must be a nats://, tls://, ws:// or wss:// URL, got {self.nats_url!r}")
+        if self.route_sync is not None and not self.route_sync.startswith(("nats://", "tls://", "ws://", "wss://")):
+            bad("route_sync", f"must be a nats://, tls://, ws:// or wss:// URL, got {self.route_sync!r}")
+        if not self.route_sync_subject or any(c.isspace() or c in "*>" for c in self.route_sync_subject):
+            bad("route_sync_subject", f"must be a NATS subject without wildcards, got {self.route_sync_subject!r}")
+        for name in ("route_sync_heartbeat_s", "route_sync_join_timeout_s"):
+            if not getattr(self, name) > 0:
+                bad(name, f"must be > 0, got {getattr(self, name)}")
+        if self.route_sync_token is not None and self.route_sync_creds is not None:
+            bad("route_sync_token", "set route_sync_token or route_sync_creds, not both")
         for name in ("nats_stream", "nats_bucket"):
             v = getattr(self, name)
             if not v or not all(c.isalnum() or c in "-_" for c in v):
                 bad(name, f"must be letters, digits, '-' and '_', got {v!r}")
         if not self.nats_subject or any(c.isspace() or c in "*>" for c in self.nats_subject):
             bad("nats_subject", f"must be a NATS subject without wildcards, got {self.nats_subject!r}")
+        try:
+            self.tie_slot()
+        except ValueError as err:
+            bad("replica_slot", str(err))
         if self.max_in_flight < 1:
             bad("max_in_flight", f"must be >= 1, got {self.max_in_flight}")
         for tier, c in self.credits.items():
@@ -248,6 +304,21 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
             "max_in_flight": self.max_in_flight,
         }
 
+    def tie_slot(self) -> tuple[int, int]:
+        """``replica_slot`` as ``(slot, of)`` (``PrefixIndex.set_tie_slot``'s arguments).
+
+        Raises
+        ------
+        ValueError
+            Unless it is ``SLOT/N``, ASCII digits, with ``0 <= SLOT < N``.
+        """
+        slot, sep, of = self.replica_slot.strip().partition("/")
+        if not (sep and slot.strip().isdigit() and of.strip().isdigit() and slot.isascii() and of.isascii()):
+            raise ValueError(f"must be SLOT/N (e.g. 0/3), got {self.replica_slot!r}")
+        if not int(slot) < int(of):
+            raise ValueError(f"must be SLOT/N with 0 <= SLOT < N, got {self.replica_slot!r}")
+        return int(slot), int(of)
+
     def endpoint_policy(self) -> EndpointPolicy:
         """What the service may connect to: tcp only, within ``allowed_endpoints``."""
         return EndpointPolicy(self.allowed_endpoints)
@@ -255,8 +326,9 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     def redacted(self) -> dict[str, Any]:
         """These settings as JSON-able builtins, the token hidden (for printing and logs)."""
         out: dict[str, Any] = msgspec.to_builtins(self)
-        if self.api_token is not None:
-            out["api_token"] = "<redacted>"
+        for name in ("api_token", "route_sync_token"):
+            if out.get(name) is not None:
+                out[name] = "<redacted>"
         return out
 
 
@@ -268,6 +340,20 @@ FIELDS: dict[str, str] = {
 }
 # Settings whose environment value is JSON (the rest are scalars, parsed by type).
 _JSON_FIELDS = ("engines", "credits", "discovery", "tokenizers")
+
+
+def _token_from_file(merged: dict[str, Any], token: str, file: str) -> None:
+    """Read setting ``token`` from the file setting ``file`` names, when it names one."""
+    path = merged.get(file)
+    if not path:
+        return
+    if merged.get(token):
+        raise SettingsError(f"set {token} or {file}, not both")
+    try:
+        with open(path, encoding="utf-8") as f:
+            merged[token] = f.read().strip()
+    except (OSError, UnicodeError) as e:
+        raise SettingsError(f"{file} {path}: {getattr(e, 'strerror', None) or e}") from None
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
@@ -325,15 +411,8 @@ def load_settings(
         raise SettingsError(f"unknown setting(s): {', '.join(unknown)} (known: {', '.join(FIELDS)})")
     if isinstance(merged.get("allowed_endpoints"), str):  # KVI_ALLOWED_ENDPOINTS=a,b (JSON lists work too)
         merged["allowed_endpoints"] = [x.strip() for x in merged["allowed_endpoints"].split(",") if x.strip()]
-    token_file = merged.get("api_token_file")
-    if token_file:
-        if merged.get("api_token"):
-            raise SettingsError("set api_token or api_token_file, not both")
-        try:
-            with open(token_file, encoding="utf-8") as f:
-                merged["api_token"] = f.read().strip()
-        except (OSError, UnicodeError) as e:
-            raise SettingsError(f"api_token_file {token_file}: {getattr(e, 'strerror', None) or e}") from None
+    for token, file in (("api_token", "api_token_file"), ("route_sync_token", "route_sync_token_file")):
+        _token_from_file(merged, token, file)
     try:
         # str_values: environment values arrive as text ("8080", "true").
         return msgspec.convert(merged, Settings, strict=False)

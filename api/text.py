@@ -67,19 +67,28 @@ class Texts:
 
     async def tokenize(self, q: Any) -> tuple[str, Tokenized, bool]:
         """``(model, tokenized, special tokens added)`` of a request's prompt or messages, off the loop."""
-        model, tok = self.tokenizer(q.model)
         messages = None
         if q.messages is not None:
             messages = [msgspec.structs.asdict(m) for m in q.messages]
             for m in messages:
                 if isinstance(m["content"], list):
                     m["content"] = [msgspec.structs.asdict(p) for p in m["content"]]
-        agp = True if q.add_generation_prompt is None else q.add_generation_prompt
-        cfm = bool(q.continue_final_message)
+        model, out = await self.tokenize_plain(q.model, q.prompt, messages, q.add_generation_prompt,
+                                               q.continue_final_message, q.chat_template_kwargs)
+        return model, out, q.prompt is not None
+
+    async def tokenize_plain(self, model: str | None, prompt: str | None, messages: list[dict[str, Any]] | None,
+                             add_generation_prompt: bool | None = None, continue_final_message: bool | None = None,
+                             chat_template_kwargs: dict[str, Any] | None = None) -> tuple[str, Tokenized]:
+        """``(model, tokenized)`` of a prompt or of chat messages (plain dicts, as an OpenAI
+        request carries them), off the loop; HTTPError 404 (no tokenizer), 422, 413."""
+        model, tok = self.tokenizer(model)
+        agp = True if add_generation_prompt is None else add_generation_prompt
+        cfm = bool(continue_final_message)
 
         def run() -> Tokenized:
-            return tok.tokenize(q.prompt, messages, add_generation_prompt=agp, continue_final_message=cfm,
-                                chat_template_kwargs=q.chat_template_kwargs)
+            return tok.tokenize(prompt, messages, add_generation_prompt=agp, continue_final_message=cfm,
+                                chat_template_kwargs=chat_template_kwargs)
 
         try:
             out = await asyncio.get_running_loop().run_in_executor(self._executor(), run)
@@ -88,7 +97,7 @@ class Texts:
         n = len(out.token_ids)
         if n > self.max_tokens:
             raise HTTPError(413, f"{n} tokens exceed the limit of {self.max_tokens} per request")
-        return model, out, q.prompt is not None
+        return model, out
 
     async def resolve(self, q: Any) -> Any:
         """``q`` with the token ids of its prompt or messages in ``token_ids`` (and ``model`` set)."""

@@ -228,6 +228,8 @@ def state(svc: Any, decisions_model: str | None = None) -> dict[str, Any]:
         "decisions": decisions,
         "decisions_kept": len(svc.decisions.ring),
         "discovery": svc.discovery.status(),
+        "route_sync": svc.route_sync.stats(),
+        "gateway": svc.ledger.summary() if svc.ledger.workers else None,
         "auth_reads": svc.auth.auth_reads,
     }
 

@@ -120,6 +120,7 @@ def build_parser(prog: str = "kv-indexer") -> argparse.ArgumentParser:
                    help="may be given several times: " + FIELDS["allowed_endpoints"])
     s.add_argument("--ready-fraction", type=float, help=FIELDS["ready_fraction"])
     s.add_argument("--predicted-credit", type=float, help=FIELDS["predicted_credit"])
+    s.add_argument("--replica-slot", metavar="SLOT/N", help=FIELDS["replica_slot"])
     s.add_argument("--prefill-ttl-s", type=float, help=FIELDS["prefill_ttl_s"])
     s.add_argument("--decode-ttl-s", type=float, help=FIELDS["decode_ttl_s"])
     s.add_argument("--max-in-flight", type=int, help=FIELDS["max_in_flight"])
@@ -130,6 +131,9 @@ def build_parser(prog: str = "kv-indexer") -> argparse.ArgumentParser:
     s.add_argument("--snapshot-interval-s", type=float, metavar="S", help=FIELDS["snapshot_interval_s"])
     s.add_argument("--bootstrap-from", metavar="URL", help=FIELDS["bootstrap_from"])
     s.add_argument("--nats", dest="nats_url", metavar="URL", help=FIELDS["nats_url"])
+    s.add_argument("--route-sync", metavar="URL", help=FIELDS["route_sync"])
+    s.add_argument("--route-sync-token-file", metavar="FILE", help=FIELDS["route_sync_token_file"])
+    s.add_argument("--route-sync-creds", metavar="FILE", help=FIELDS["route_sync_creds"])
     s.add_argument("--demo", action="store_true", default=None, help=FIELDS["demo"])
     s.add_argument("--demo-speedup", type=float, help=FIELDS["demo_speedup"])
     s.add_argument("--tokenizer", action="append", metavar="MODEL=DIR",

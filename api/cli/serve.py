@@ -36,6 +36,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "allowed_endpoints": args.allowed_endpoint,
         "ready_fraction": args.ready_fraction,
         "predicted_credit": args.predicted_credit,
+        "replica_slot": args.replica_slot,
         "prefill_ttl_s": args.prefill_ttl_s,
         "decode_ttl_s": args.decode_ttl_s,
         "max_in_flight": args.max_in_flight,
@@ -43,6 +44,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "snapshot_interval_s": args.snapshot_interval_s,
         "bootstrap_from": args.bootstrap_from,
         "nats_url": args.nats_url,
+        "route_sync": args.route_sync,
+        "route_sync_token_file": args.route_sync_token_file,
+        "route_sync_creds": args.route_sync_creds,
     }
     if args.tokenizer:
         pairs = [t.partition("=") for t in args.tokenizer]

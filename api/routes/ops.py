@@ -9,18 +9,22 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from api.common import ENC, JSON
 from api.jsonroutes import service_of
+from api.routesync import RouteSyncLike
 from api.settings import Settings
 from indexer.ingest.base import Ingest
 
 router = APIRouter()
 
 
-def readiness(settings: Settings, ingest: Ingest) -> tuple[bool, list[str]]:
-    """Ready when ingest runs and at least ``ready_fraction`` of the subscribed workers
-    (all, by default) are connected and not replaying; the reasons name the others."""
+def readiness(settings: Settings, ingest: Ingest, route_sync: RouteSyncLike) -> tuple[bool, list[str]]:
+    """Ready when ingest runs, route sync (if any) has caught up with the other replicas
+    (or given up waiting for NATS), and at least ``ready_fraction`` of the subscribed
+    workers (all, by default) are connected and not replaying; the reasons name the others."""
     fatal = []
     if not ingest.running:
         fatal.append(f"ingest thread is not running ({ingest.error or 'not started'})")
+    if not route_sync.ready:
+        fatal.append("route sync: joining the other router replicas")
     reasons = []
     subscribed = 0
     for w in ingest.workers():
@@ -48,6 +52,7 @@ async def stats(request: Request) -> Response:
     st = svc.index.stats()
     st["api_errors"] = {f"{p} {s}": n for (p, s), n in sorted(svc.api_errors.items())}
     st["discovery"] = svc.discovery.status()
+    st["route_sync"] = svc.route_sync.stats()
     return Response(ENC.encode(st), media_type=JSON)
 
 
@@ -62,7 +67,7 @@ async def healthz() -> Response:
             responses={503: {"description": "Not ready"}})
 async def readyz(request: Request) -> Response:
     svc = service_of(request)
-    ok, reasons = readiness(svc.settings, svc.ingest)
+    ok, reasons = readiness(svc.settings, svc.ingest, svc.route_sync)
     return Response(ENC.encode({"ready": ok, "reasons": reasons}), status_code=200 if ok else 503, media_type=JSON)
 
 

@@ -96,6 +96,14 @@
       ["queries/s", last ? num(last.queries_s) : "–"],
       ["in flight", num(st.in_flight.requests)],
     ];
+    const rs = st.route_sync;
+    if (rs) {  // several router replicas: whether this one sees the others' decisions
+      const peers = Object.keys(rs.peers).length;
+      const theirs = Object.entries(rs.held).filter(([o]) => o !== "").reduce((a, [, n]) => a + n, 0);
+      items.push(["route sync", rs.connected
+        ? `${peers} peer${peers === 1 ? "" : "s"} · ${num(theirs)} of theirs`
+        : `<span class="why">NATS down: own view only</span>`]);
+    }
     $("#summary").innerHTML = items.map(([k, v]) => `<span class="stat" data-stat="${k}">${k} <b>${v}</b></span>`).join("");
   }
 
@@ -151,6 +159,24 @@
       sel.innerHTML = want.map((m) => `<option value="${esc(m)}">${m ? esc(m) : "all models"}</option>`).join("");
       sel.value = want.includes(cur) ? cur : "";
     }
+  }
+
+  function renderGateway(st) {
+    const g = st.gateway;
+    const ws = g ? Object.entries(g.workers) : [];
+    $("#gateway-section").hidden = ws.length === 0;
+    if (!ws.length) return;
+    const pct = (x) => (x === null || x === undefined ? "–" : (100 * x).toFixed(1) + "%");
+    $("#gateway tbody").innerHTML = ws.map(([name, w]) => {
+      const gap = w.prompt_tokens ? w.abs_error / w.prompt_tokens : null;
+      const o = w.outcomes;
+      return `<tr data-worker="${esc(name)}"><td><b>${esc(name)}</b></td>
+        <td class="num">${num(w.requests)} / ${num(w.reports)}</td><td class="num">${num(w.active)}</td>
+        <td class="num" data-field="predicted">${num(w.predicted)}</td><td class="num" data-field="delivered">${num(w.delivered)}</td>
+        <td class="num">${pct(w.delivered_ratio)}</td><td class="num">${w.reports ? pct(w.exact / w.reports) : "–"}</td>
+        <td class="num ${gap !== null && gap > 0.05 ? "why" : ""}" data-field="gap">${pct(gap)}</td>
+        <td class="num">${num(o.engine_error + o.upstream_failed)} · ${num(o.timeout)} · ${num(o.client_aborted)}</td></tr>`;
+    }).join("");
   }
 
   function renderDecisions(st) {
@@ -270,6 +296,7 @@
       renderSummary(st);
       renderWorkers(st);
       renderModels(st);
+      renderGateway(st);
       renderCharts(st);
       renderDecisions(st);
       setStatus(st.ingest.running ? "live" : "error",

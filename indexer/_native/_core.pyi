@@ -197,13 +197,16 @@ def rank(
     idle_source: str,
     entry_cls: type | None,
     load_cls: type | None,
+    slot: int,
+    of: int,
     /,
 ) -> tuple[list[Any], float, Any] | None:
     """A route's candidates ranked, best first: ``(entries, top score, the best one's
     match or None)``; load keys found are added to ``used``. Entries are dicts, or
-    ``entry_cls(..., load_cls(...))``. None when a value is one only Python ranks
-    exactly (a NaN, a load that is not an int below 2**53, ...). Same as
-    ``route._py_rank``.
+    ``entry_cls(..., load_cls(...))``. Ties on cost and score are ordered for router
+    replica ``slot`` of ``of`` (``route._rotate_ties``). None when a value is one only
+    Python ranks exactly (a NaN, a load that is not an int below 2**53, ``of`` above
+    2**31, ...). Same as ``route._py_rank``.
     """
 
 

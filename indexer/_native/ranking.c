@@ -218,20 +218,12 @@ typedef struct {
     PyObject *wm;    /* borrowed from the match */
 } Cand;
 
+/* (engine, rank) order: engine ids in code point order, as str's <, then the rank. */
 static int
-by_key(const void *a, const void *b)
+worker_cmp(PyObject *e, long long er, PyObject *f, long long fr)
 {
-    const Cand *x = a, *y = b;
-    if (x->never != y->never)
-        return x->never - y->never;
-    if (x->cost != y->cost)
-        return x->cost < y->cost ? -1 : 1;
-    if (x->negscore != y->negscore)
-        return x->negscore < y->negscore ? -1 : 1;
-    /* Engine ids: code point order, as str's <. Most are ASCII (one byte a code point,
-     * where memcmp is that order); a tie on cost and score over a whole fleet compares
-     * them in every step of the sort. */
-    PyObject *e = x->engine, *f = y->engine;
+    /* Most ids are ASCII (one byte a code point, where memcmp is that order); a tie on
+     * cost and score over a whole fleet compares them in every step of the sort. */
     int c;
     if (PyUnicode_KIND(e) == PyUnicode_1BYTE_KIND && PyUnicode_KIND(f) == PyUnicode_1BYTE_KIND) {
         Py_ssize_t ne = PyUnicode_GET_LENGTH(e), nf = PyUnicode_GET_LENGTH(f);
@@ -243,18 +235,130 @@ by_key(const void *a, const void *b)
     }
     if (c != 0)
         return c;
-    return (x->rank > y->rank) - (x->rank < y->rank);
+    return (er > fr) - (er < fr);
+}
+
+static int
+by_key(const void *a, const void *b)
+{
+    const Cand *x = a, *y = b;
+    if (x->never != y->never)
+        return x->never - y->never;
+    if (x->cost != y->cost)
+        return x->cost < y->cost ? -1 : 1;
+    if (x->negscore != y->negscore)
+        return x->negscore < y->negscore ? -1 : 1;
+    return worker_cmp(x->engine, x->rank, y->engine, y->rank);
+}
+
+static int
+by_worker(const void *a, const void *b)
+{
+    const Cand *x = *(Cand *const *)a, *y = *(Cand *const *)b;
+    return worker_cmp(x->engine, x->rank, y->engine, y->rank);
+}
+
+/* The number of run[0..m) (in (engine, rank) order) before (e, r). */
+static Py_ssize_t
+count_before(const Cand *run, Py_ssize_t m, PyObject *e, long long r)
+{
+    Py_ssize_t lo = 0, hi = m;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (worker_cmp(run[mid].engine, run[mid].rank, e, r) < 0)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+static void
+reverse(Cand *c, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0, j = n - 1; i < j; i++, j--) {
+        Cand t = c[i];
+        c[i] = c[j];
+        c[j] = t;
+    }
+}
+
+/* Rotates each run of cs[0..k) (sorted by by_key) tied on (never, cost, -score) for
+ * replica `slot` of `of` (route._rotate_ties is the reference): the whole (engine,
+ * rank) order rotated to start at position slot * k / of, when that starts the run at a
+ * different member for every slot; else the run rotated to start at its own member
+ * slot * m / of. Needs 0 <= slot < of <= 2**31 (the caller checks). -1: no memory. */
+static int
+rotate_ties(Cand *cs, Py_ssize_t k, long long slot, long long of)
+{
+    PyObject **te = NULL; /* the workers at positions t * k / of, t = 1 .. of-1, of the whole order */
+    long long *tr = NULL;
+    Py_ssize_t *at = NULL; /* the run's member each of those starts at */
+    for (Py_ssize_t i = 0, j; i < k; i = j) {
+        for (j = i + 1; j < k && cs[j].never == cs[i].never && cs[j].cost == cs[i].cost &&
+                        cs[j].negscore == cs[i].negscore;
+             j++)
+            ;
+        Py_ssize_t m = j - i;
+        if (m < 2)
+            continue;
+        Py_ssize_t start = (Py_ssize_t)(slot * (long long)m / of); /* exact: slot < 2**31, m < 2**32 */
+        if (m >= of && m < k) {
+            if (te == NULL) {
+                /* Read once, before a rotation moves anything: a sort of pointers. */
+                Cand **ord = PyMem_Malloc((size_t)k * sizeof(Cand *));
+                te = PyMem_Malloc((size_t)of * sizeof(PyObject *));
+                tr = PyMem_Malloc((size_t)of * sizeof(long long));
+                at = PyMem_Malloc((size_t)of * sizeof(Py_ssize_t));
+                if (ord == NULL || te == NULL || tr == NULL || at == NULL) {
+                    PyMem_Free(ord);
+                    PyMem_Free(te);
+                    PyMem_Free(tr);
+                    PyMem_Free(at);
+                    PyErr_NoMemory();
+                    return -1;
+                }
+                for (Py_ssize_t x = 0; x < k; x++)
+                    ord[x] = &cs[x];
+                qsort(ord, (size_t)k, sizeof(Cand *), by_worker);
+                for (long long t = 1; t < of; t++) {
+                    Cand *w = ord[t * (long long)k / of];
+                    te[t] = w->engine;
+                    tr[t] = w->rank;
+                }
+                PyMem_Free(ord);
+            }
+            int distinct = 1;
+            at[0] = 0;
+            for (long long t = 1; t < of && distinct; t++) {
+                at[t] = count_before(&cs[i], m, te[t], tr[t]);
+                distinct = at[t] > at[t - 1] && at[t] < m;
+            }
+            if (distinct)
+                start = at[slot];
+        }
+        if (start > 0) { /* rotate left by start: three reversals, in place */
+            reverse(&cs[i], start);
+            reverse(&cs[i + start], m - start);
+            reverse(&cs[i], m);
+        }
+    }
+    PyMem_Free(te);
+    PyMem_Free(tr);
+    PyMem_Free(at);
+    return 0;
 }
 
 PyDoc_STRVAR(rank_doc,
 "rank(cands, workers, pred, load, used, in_flight, link, query_blocks, block_size, scale,\n"
-"     idle_source, entry_cls, load_cls) -> (entries, top_score, best_match) | None\n\n"
+"     idle_source, entry_cls, load_cls, slot, of) -> (entries, top_score, best_match) | None\n\n"
 "The ranked entries of a route's candidates, best first (route._py_rank is the\n"
 "reference: same arguments, same answer). `cands` are (engine, dp_rank, stale)\n"
 "tuples, or a model's rows (engine, dp_rank, freshness, position; None for a\n"
 "removed worker, skipped); `workers` the match's WorkerMatch tuples; `pred`, `load`, `in_flight`, `link`\n"
 "dicts or None; load keys found are added to the set `used`. Entries are dicts, or\n"
-"entry_cls(..., load_cls(...)) when the classes are given. None when a value is one\n"
+"entry_cls(..., load_cls(...)) when the classes are given. Ties on cost and score are\n"
+"ordered for replica `slot` of `of` (route._rotate_ties). None when a value is one\n"
 "only Python ranks exactly (a NaN cost or score, a load that is not an int below\n"
 "2**53, an engine that is not a str, a non-dict mapping): ask _py_rank then.");
 
@@ -263,10 +367,10 @@ PyDoc_STRVAR(rank_doc,
 static PyObject *
 rank(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 13 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PySet_Check(args[4]) ||
+    if (nargs != 15 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PySet_Check(args[4]) ||
         !PyUnicode_Check(args[10])) {
         PyErr_SetString(PyExc_TypeError, "rank(list, list, dict|None, dict|None, set, dict|None, dict|None, int, "
-                                         "int, float, str, type|None, type|None)");
+                                         "int, float, str, type|None, type|None, int, int)");
         return NULL;
     }
     PyObject *cands = args[0], *workers = args[1], *used = args[4], *idle = args[10];
@@ -277,12 +381,15 @@ rank(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
         (in_flight && !PyDict_CheckExact(in_flight)) || (link && !PyDict_CheckExact(link)) ||
         (entry_cls == NULL) != (load_cls == NULL))
         Py_RETURN_NONE;
-    long long qb = 0, bs = 0;
+    long long qb = 0, bs = 0, slot = 0, of = 1;
     double scale = 0.0;
     int ok1 = small_int(args[7], &qb), ok2 = small_int(args[8], &bs), ok3 = as_double(args[9], &scale);
-    if (ok1 < 0 || ok2 < 0 || ok3 < 0)
+    int ok4 = small_int(args[13], &slot), ok5 = small_int(args[14], &of);
+    if (ok1 < 0 || ok2 < 0 || ok3 < 0 || ok4 < 0 || ok5 < 0)
         return NULL;
-    if (!ok1 || !ok2 || !ok3 || bs < 0 || isnan(scale))
+    /* A slot count past 2**31 keeps slot * m exact in a long long: beyond, Python ranks. */
+    if (!ok1 || !ok2 || !ok3 || !ok4 || !ok5 || bs < 0 || isnan(scale) || slot < 0 || slot >= of ||
+        of > (1LL << 31))
         Py_RETURN_NONE;
     if (init_templates() < 0)
         return NULL;
@@ -506,6 +613,10 @@ rank(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
         }
     }
     qsort(cs, (size_t)k, sizeof(Cand), by_key);
+    if (of > 1 && rotate_ties(cs, k, slot, of) < 0) {
+        err = -1;
+        goto done;
+    }
     out = PyList_New(k);
     if (out == NULL) {
         err = -1;

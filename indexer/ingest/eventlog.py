@@ -10,6 +10,7 @@ import asyncio
 import logging
 import re
 from collections.abc import Callable
+from typing import Any
 
 import nats
 import nats.errors
@@ -74,9 +75,10 @@ def headers(engine: str, rank: int, model: str, seq: int, payload: bytes, *, res
 
 
 async def connect(url: str, name: str, stopping: Callable[[], bool], *,
-                  on_state: Callable[[bool], None] | None = None) -> Client | None:
+                  on_state: Callable[[bool], None] | None = None, **options: Any) -> Client | None:
     """A NATS connection that reconnects for ever; retried until it first connects
-    (None when ``stopping()`` turns true first). ``on_state(connected)`` follows it."""
+    (None when ``stopping()`` turns true first). ``on_state(connected)`` follows it.
+    ``options`` go to ``nats.connect`` (credentials, ``no_echo``...)."""
 
     async def disconnected() -> None:
         if on_state is not None:
@@ -97,7 +99,7 @@ async def connect(url: str, name: str, stopping: Callable[[], bool], *,
         try:
             nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.2,
                                     connect_timeout=2, allow_reconnect=True, disconnected_cb=disconnected,
-                                    reconnected_cb=reconnected, error_cb=error)
+                                    reconnected_cb=reconnected, error_cb=error, **options)
         except (OSError, nats.errors.Error, asyncio.TimeoutError) as e:
             log.warning("%s: cannot connect to NATS (%r); retrying", name, e)
             await asyncio.sleep(delay)

@@ -25,13 +25,14 @@ decides which threads call in.
 from __future__ import annotations
 
 from indexer.query.match import Query
+from indexer.query.peers import Peers
 from indexer.store.apply import Store
 from indexer.store.state import DEFAULT_CREDITS, DEFAULT_GROUP_KINDS, ModelRequiredError
 
 __all__ = ["PrefixIndex", "DEFAULT_CREDITS", "DEFAULT_GROUP_KINDS", "ModelRequiredError"]
 
 
-class PrefixIndex(Query, Store):
+class PrefixIndex(Query, Peers, Store):
     """The in-process prefix index (no I/O, no threads of its own).
 
     Parameters

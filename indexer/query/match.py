@@ -155,7 +155,8 @@ class Query(Prefixes):
             inf.expire(self._clock())
             busy = inf.prefill or inf.decode or inf.engine_extra  # else: nothing to ask per worker
             ranking = rank(res, known, load=load, candidates=candidates, prefill_load_scale=prefill_load_scale,
-                           link=link, in_flight=inf.loads() if busy else None, index_load=True, structs=structs)
+                           link=link, in_flight=inf.loads() if busy else None, index_load=True, structs=structs,
+                           tie_slot=self.tie_slot)
             rid = None
             if record:
                 bs: int = res.block_size  # type: ignore[assignment]  # set just above when None
@@ -167,11 +168,43 @@ class Query(Prefixes):
                                  predict=cached < ntok // bs)
             return ranking, rid
 
+    def set_tie_slot(self, slot: int, of: int) -> None:
+        """Make this index replica ``slot`` of ``of`` routers over the same fleet: sets
+        where its routes start a tie on cost and score (:func:`indexer.query.route.route`,
+        ``tie_slot``), so replicas that route in the same instant without seeing each
+        other's decisions spread a burst as one router would, instead of all taking the
+        first worker. ``(0, 1)``, the default, is one router: (engine id, rank) order.
+
+        Raises
+        ------
+        ValueError
+            Unless ``slot`` and ``of`` are ints with ``0 <= slot < of``.
+        """
+        if not (isinstance(slot, int) and isinstance(of, int)) or isinstance(slot, bool) or isinstance(of, bool):
+            raise ValueError(f"tie slot must be ints, not {slot!r} of {of!r}")
+        if not 0 <= slot < of:
+            raise ValueError(f"tie slot must satisfy 0 <= slot < of, not {slot} of {of}")
+        with self._lock:
+            self.tie_slot = (slot, of)
+
     def correct_load(self, worker: tuple[str, int], waiting: float, running: float, t: float) -> None:
         """A worker's engine reported its queue (vLLM metrics): correct the in-flight
         estimate (:meth:`indexer.store.inflight.InFlight.correct`)."""
         with self._lock:
             self.inflight.correct(worker, waiting, running, t)
+
+    def route_first_token(self, request_id: str) -> bool:
+        """Request ``request_id`` (a route's answer) returned its first token: its prefill
+        load ends (its predicted prefix stays until announced). False when not in prefill."""
+        with self._lock:
+            return self.inflight.first_token(request_id)
+
+    def headline_block_size(self, model: str | None) -> int:
+        """The block size ``model``'s answers count in (its headline group's; the default
+        block size before its first store). Raises KeyError for an unknown model."""
+        with self._lock:
+            m = self.model_state(model)
+            return m.trees[m.default_groups()[0]].block_size if m.trees else self.default_block_size
 
     def route_done(self, request_id: str) -> bool | None:
         """Request ``request_id`` (a route's answer) finished: release its in-flight load

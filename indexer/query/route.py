@@ -12,6 +12,7 @@ either as the library's dicts or as the service's msgspec structs (the same JSON
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -143,6 +144,7 @@ def route(
     link: Mapping[tuple[str, int], tuple[bool, bool]] | None = None,
     in_flight: Mapping[tuple[str, int], tuple[int, int]] | None = None,
     index_load: bool = False,
+    tie_slot: tuple[int, int] = (0, 1),
 ) -> dict[str, Any]:
     """Rank the candidates by cost, lowest first; the ``/v1/route`` body.
 
@@ -163,8 +165,11 @@ def route(
                + decode blocks
 
     A worker that never connected ranks after every other one, whatever its cost; then
-    ties go to the higher score, then engine id, then rank. Load keys that name no
-    candidate are listed in ``unused_load``.
+    ties go to the higher score; candidates tied on all three are in (engine id, rank)
+    order, rotated for router replica ``tie_slot = (slot, of)`` (:func:`_rotate_ties`:
+    replicas that cannot see each other's decisions start a tie at different workers;
+    ``(0, 1)``, one router, is no rotation). Load keys that name no candidate are listed
+    in ``unused_load``.
 
     Raises
     ------
@@ -175,7 +180,7 @@ def route(
         When there is no candidate at all.
     """
     return rank(res, known, load=load, candidates=candidates, prefill_load_scale=prefill_load_scale, link=link,
-                in_flight=in_flight, index_load=index_load).answer()
+                in_flight=in_flight, index_load=index_load, tie_slot=tie_slot).answer()
 
 
 def rank(
@@ -189,14 +194,19 @@ def rank(
     in_flight: Mapping[tuple[str, int], tuple[int, int]] | None = None,
     index_load: bool = False,
     structs: bool = False,
+    tie_slot: tuple[int, int] = (0, 1),
 ) -> Ranking:
     """:func:`route`'s decision as a :class:`Ranking` (its entries as :class:`RankedOut`
     with ``structs``), for the caller to write out with or without a request id. Raises as
-    :func:`route` does; changes nothing.
+    :func:`route` does (and ValueError for a ``tie_slot`` not ``0 <= slot < of``);
+    changes nothing.
 
     ``known`` may also be a model's rows (``ModelState.rows``: ``(engine, dp_rank,
     freshness, position)``, None for a removed worker), read as they are: the index's
     own table of its workers, with no list made per route."""
+    slot, of = tie_slot
+    if not 0 <= slot < of:
+        raise ValueError(f"tie_slot must be (slot, of) with 0 <= slot < of, not {tie_slot!r}")
     load = load or {}
     bad = [k for k in load if not _valid_name(k)]
     if candidates is None:
@@ -229,7 +239,8 @@ def rank(
     entry_cls, load_cls = (RankedOut, LoadOut) if structs else (None, None)
     used: set[str] = set()
     args: tuple[Any, ...] = (cands, res.workers, pred, load or None, used, in_flight or None, link,
-                             res.query_blocks, res.block_size or 0, prefill_load_scale, idle, entry_cls, load_cls)
+                             res.query_blocks, res.block_size or 0, prefill_load_scale, idle, entry_cls, load_cls,
+                             slot, of)
     got = _core.rank(*args) if _core is not None else None
     if got is None:  # no compiled core, or a value only Python ranks exactly (see ranking.c)
         used.clear()
@@ -264,7 +275,7 @@ def _py_rank(cands: list[Any], workers: list[WorkerMatch],
              pred: dict[tuple[str, int], tuple[int, float]] | None, load: Mapping[str, Any] | None, used: set[str],
              in_flight: Mapping[tuple[str, int], tuple[int, int]] | None,
              link: Mapping[tuple[str, int], tuple[bool, bool]] | None, qb: int, bs: int, scale: float, idle: str,
-             entry_cls: Any, load_cls: Any) -> tuple[list[Any], float, WorkerMatch | None]:
+             entry_cls: Any, load_cls: Any, slot: int = 0, of: int = 1) -> tuple[list[Any], float, WorkerMatch | None]:
     """The ranked entries of ``cands`` (``(engine, dp_rank, stale)``, or rows: see
     :func:`rank`), best first, the highest score and the best one's match; load keys
     found are added to ``used``. The compiled ``rank`` is its twin; this one also serves
@@ -315,9 +326,49 @@ def _py_rank(cands: list[Any], workers: list[WorkerMatch],
                               load_cls(*ld))
         keyed.append((lk is not None and not lk[1], cost, -score, engine, rank_, entry, wm))
     keyed.sort(key=_sort_key)  # (never connected, cost, -score, engine, rank) decide: (engine, rank) is unique
+    if of > 1:
+        _rotate_ties(keyed, slot, of)
     top = max((-t[2] for t in keyed), default=-math.inf)
     return [t[5] for t in keyed], top, keyed[0][6] if keyed else None
 
 
 def _sort_key(t: tuple[Any, ...]) -> tuple[Any, ...]:
     return t[:5]
+
+
+def _rotate_ties(keyed: list[tuple[Any, ...]], slot: int, of: int) -> None:
+    """Reorders ``keyed`` (sorted by :func:`_sort_key`) in place: each run tied on (never
+    connected, cost, -score) starts where replica ``slot`` of ``of`` starts, and wraps.
+
+    One router (``of`` 1) takes a tie in (engine, rank) order; replicas that take
+    decisions in the same instant without seeing each other's would all take its first
+    worker (herding). Here replica ``slot`` takes the whole (engine, rank) order of the
+    ``k`` candidates rotated to start at position ``slot * k // of``: a fixed order per
+    replica, so its next picks of a burst stay in its own arc of the fleet, as one router
+    would spread them. A run that order would start at the same member for two slots (a
+    run clustered in one arc, e.g. the two workers that hold a prefix) is rotated instead
+    to start at its own member ``slot * m // of`` of its ``m``. The compiled twin is
+    ``rotate_ties`` in ranking.c."""
+    k = len(keyed)
+    starts: list[tuple[str, int]] | None = None  # the whole order's worker at t * k // of, t = 1 .. of-1
+    i = 0
+    while i < k:
+        never, cost, negscore = keyed[i][:3]
+        j = i + 1
+        # == per item, as the compiled twin compares (a tuple's == would take a NaN as itself)
+        while j < k and keyed[j][0] == never and keyed[j][1] == cost and keyed[j][2] == negscore:
+            j += 1
+        m = j - i
+        if m >= 2:
+            start = slot * m // of
+            if of <= m < k:
+                if starts is None:
+                    order = sorted(t[3:5] for t in keyed)
+                    starts = [order[t * k // of] for t in range(1, of)]
+                run = [t[3:5] for t in keyed[i:j]]
+                at = [0] + [bisect_left(run, w) for w in starts]
+                if all(a < b for a, b in zip(at, at[1:])) and at[-1] < m:
+                    start = at[slot]
+            if start:
+                keyed[i:j] = keyed[i + start:j] + keyed[i:i + start]
+        i = j

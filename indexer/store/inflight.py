@@ -30,7 +30,11 @@ import os
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 
-__all__ = ["InFlight", "WorkerKey"]
+from indexer.store.flight import NO_KEYS, FlightListener, NoListener, WorkerKey
+from indexer.store.flight import FlightRequest as _Req
+from indexer.store.peerflight import PeerFlight
+
+__all__ = ["FlightListener", "InFlight", "NoListener", "WorkerKey"]
 
 
 def _take(totals: dict[WorkerKey, int], w: WorkerKey, n: int) -> None:
@@ -52,8 +56,6 @@ def _common(edge: array[int], keys: Sequence[int], i: int) -> int:
     while m < n and edge[m] == keys[i + m]:
         m += 1
     return m
-
-WorkerKey = tuple[str, int]  # (engine, dp_rank)
 
 # Announcement checks per applied batch and worker: FIFO engines announce in routing
 # order, so the oldest few pending requests are the ones that can have ended.
@@ -80,26 +82,9 @@ class _PNode:
         self.kids = {low.edge[0]: low}
 
 
-class _Req:
-    __slots__ = ("id", "model", "worker", "keys", "prefill_tokens", "decode_blocks", "t", "expiry",
-                 "prefill_open", "decode_open")
-
-    def __init__(self, rid: str, model: str, worker: WorkerKey, keys: array[int], prefill_tokens: int,
-                 decode_blocks: int, t: float, expiry: float, predict: bool) -> None:
-        self.id = rid
-        self.model = model
-        self.worker = worker
-        self.keys = keys
-        self.prefill_tokens = prefill_tokens
-        self.decode_blocks = decode_blocks
-        self.t = t
-        self.expiry = expiry  # of its prefill (and of its prediction marks)
-        self.prefill_open = predict  # waiting for the worker to announce its blocks
-        self.decode_open = decode_blocks > 0
-
-
-class InFlight:
-    """Predicted prefixes and in-flight load (see the module docstring)."""
+class InFlight(PeerFlight):
+    """Predicted prefixes and in-flight load (see the module docstring); other router
+    replicas' requests come in through :class:`~.peerflight.PeerFlight`."""
 
     def __init__(self, *, prefill_ttl_s: float = 30.0, decode_ttl_s: float = 300.0,
                  max_in_flight: int = 20_000, clock: Callable[[], float]) -> None:
@@ -134,10 +119,18 @@ class InFlight:
         self._mean_decode = 0.0
         self.nodes = 0  # trie nodes, all models
         self.counters = {"recorded": 0, "announced": 0, "prefill_expired": 0, "done": 0, "decode_expired": 0,
-                         "evicted": 0, "forgotten": 0, "engine_done": 0}
+                         "evicted": 0, "forgotten": 0, "engine_done": 0, "adopted": 0, "peer_ended": 0,
+                         "peer_dropped": 0}
         self._heap: list[tuple[float, int, bool, _Req]] = []  # (deadline, n, is_prefill, request)
         self._n = 0
-        self._prefix = os.urandom(4).hex() + "-"  # ids of another process never collide
+        self._n_heap = 0  # tie-breaker of the deadline heap (peers' requests too)
+        # This replica's name among router replicas, and the prefix of its request ids:
+        # ids of another process never collide.
+        self.origin = os.urandom(4).hex()
+        self._prefix = self.origin + "-"
+        self.listener: FlightListener = NoListener()
+        self._quiet = False  # applying a peer's news: tell the listener nothing
+        self.by_origin: dict[str, dict[str, _Req]] = {}  # other replicas' requests, by origin
 
     # ------------------------------------------------------------------ record
 
@@ -152,30 +145,46 @@ class InFlight:
         """
         now = self.clock()
         self.expire(now)
-        if len(self.requests) >= self.max_in_flight:
-            self._end(next(iter(self.requests.values())), "evicted")
         self._n += 1
         rid = f"{self._prefix}{self._n:x}"
         arr = array("Q", keys)
         req = _Req(rid, model, worker, arr, max(0, prefill_tokens), max(0, decode_blocks), now,
                    now + self.prefill_ttl_s, predict and len(arr) > 0)
+        self.counters["recorded"] += 1
+        if self._open(req, now + self.decode_ttl_s):
+            self.listener.recorded(rid, model, worker, arr if req.prefill_open else NO_KEYS, req.prefill_tokens,
+                                   req.decode_blocks, req.prefill_open)
+        return rid
+
+    def _open(self, req: _Req, decode_deadline: float) -> bool:
+        """Hold ``req`` (evicting the oldest request beyond ``max_in_flight``): its marks,
+        load and deadlines. False when nothing of it is open (it ends at once, quietly)."""
+        if len(self.requests) >= self.max_in_flight:
+            self._end(next(iter(self.requests.values())), "evicted")
+        rid, worker = req.id, req.worker
         self.requests[rid] = req
         self.by_worker.setdefault(worker, {})[rid] = req
+        if req.origin:
+            self.by_origin.setdefault(req.origin, {})[rid] = req
         self._mean_prefill += (req.prefill_tokens - self._mean_prefill) * 0.01
         self._mean_decode += (req.decode_blocks - self._mean_decode) * 0.01
-        self.counters["recorded"] += 1
+        self._n_heap += 1
         if req.prefill_open:
             self._mark(req)
             self.pending.setdefault(worker, []).append(req)
             self.prefill[worker] = self.prefill.get(worker, 0) + req.prefill_tokens
-            heapq.heappush(self._heap, (req.expiry, self._n, True, req))
+            heapq.heappush(self._heap, (req.expiry, self._n_heap, True, req))
         if req.decode_open:
             self.decode[worker] = self.decode.get(worker, 0) + req.decode_blocks
         if not (req.prefill_open or req.decode_open):
-            self._end(req, "announced")  # all of it announced already, nothing to decode: over
-        else:
-            heapq.heappush(self._heap, (now + self.decode_ttl_s, self._n, False, req))
-        return rid
+            quiet, self._quiet = self._quiet, True
+            try:  # all of it announced already, nothing to decode: over, and nobody to tell
+                self._end(req, "announced")
+            finally:
+                self._quiet = quiet
+            return False
+        heapq.heappush(self._heap, (decode_deadline, self._n_heap, False, req))
+        return True
 
     def _mark(self, req: _Req) -> None:
         """Count ``req`` on every node its keys cover, splitting edges where it diverges
@@ -384,11 +393,28 @@ class InFlight:
         self._end(req, "done")
         return True
 
+    def first_token(self, rid: str) -> bool:
+        """Request ``rid``'s first token came back (the gateway saw it): its prefill is
+        over, so its prefill load ends now; its predicted prefix stays until the worker
+        announces the blocks (or the TTL). False when it is not open in prefill."""
+        req = self.requests.get(rid)
+        if req is None or not req.prefill_open or not req.prefill_tokens:
+            return False
+        w = req.worker
+        pend = self.pending.get(w)
+        if pend and pend[0] is req:  # FIFO: the prefill that was running; a sample of the rate
+            self._learn_rate(req, self.clock())
+        _take(self.prefill, w, req.prefill_tokens)
+        req.prefill_tokens = 0
+        return True
+
     def _prefill_ended(self, req: _Req, why: str) -> None:
         """The prefill of ``req`` ended (``why``); with no decode to wait for, all of it."""
         if req.decode_open:
             self._close_prefill(req)
             self.counters[why] += 1
+            if not self._quiet:
+                self.listener.ended(req.id, req.origin, why, False)
         else:
             self._end(req, why)
 
@@ -408,6 +434,8 @@ class InFlight:
         """End every request of ``worker`` (removed, restarted or cleared: what it was
         going to cache is gone, and so is its queue). Returns how many."""
         mine = list(self.by_worker.get(worker, {}).values())
+        if not self._quiet:
+            self.listener.forgot(worker)
         for r in mine:
             self._end(r, "forgotten")
         self.engine_extra.pop(worker, None)
@@ -428,10 +456,11 @@ class InFlight:
 
     def _end(self, req: _Req, why: str) -> None:
         self.counters[why] += 1
-        ended = self._ended
-        ended[req.id] = None
-        if len(ended) > self.max_in_flight:
-            del ended[next(iter(ended))]
+        if why != "peer_dropped":  # a peer's request we stopped following has not ended: it may come back
+            ended = self._ended
+            ended[req.id] = None
+            if len(ended) > self.max_in_flight:
+                del ended[next(iter(ended))]
         if req.prefill_open:
             self._close_prefill(req)
         if req.decode_open:
@@ -442,3 +471,10 @@ class InFlight:
             del mine[req.id]
             if not mine:
                 del self.by_worker[req.worker]
+            if req.origin:
+                theirs = self.by_origin[req.origin]
+                del theirs[req.id]
+                if not theirs:
+                    del self.by_origin[req.origin]
+            if not self._quiet:
+                self.listener.ended(req.id, req.origin, why, True)

@@ -241,6 +241,9 @@ class IndexState:
         self.default_block_size = int(default_block_size)
         self.inflight = InFlight(prefill_ttl_s=prefill_ttl_s, decode_ttl_s=decode_ttl_s, max_in_flight=max_in_flight,
                                  clock=clock)
+        # This router's place among the replicas routing the same fleet, (slot, of): where a
+        # route's ties start (PrefixIndex.set_tie_slot); (0, 1) is one router.
+        self.tie_slot = (0, 1)
         # Queries about to take the lock: a writer thread yields the GIL after a
         # batch when this is not empty, so a query waits for one batch, not for the
         # interpreter's 5 ms switch interval. A deque because append/pop are atomic

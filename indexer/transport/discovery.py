@@ -65,6 +65,7 @@ class DnsDiscovery:
         model: str = "default",
         topic: str = "",
         metrics_port: int | None = None,
+        api_port: int | None = None,
         interval_s: float = 10.0,
         grace_s: float = 60.0,
         id_prefix: str = "",
@@ -80,6 +81,7 @@ class DnsDiscovery:
         self.port = port
         self.replay_port = replay_port
         self.metrics_port = metrics_port  # vLLM's HTTP port: /metrics there (in-flight load)
+        self.api_port = api_port  # vLLM's OpenAI server (the gateway forwards there); usually the same port
         self.dp_size = dp_size
         self.model = model
         self.topic = topic
@@ -112,6 +114,7 @@ class DnsDiscovery:
             endpoint=f"tcp://{host}:{self.port}",
             replay_endpoint=f"tcp://{host}:{self.replay_port}" if self.replay_port else None,
             metrics_url=f"http://{host}:{self.metrics_port}/metrics" if self.metrics_port else None,
+            api_url=f"http://{host}:{self.api_port}" if self.api_port else None,
             model=self.model,
             topic=self.topic,
             dp_size=self.dp_size,

@@ -94,29 +94,29 @@ def check_endpoint(endpoint: str, what: str) -> None:
 MAX_URL_CHARS = 2048
 
 
-def check_metrics_url(url: object) -> str:
+def check_metrics_url(url: object, what: str = "metrics URL") -> str:
     """``url`` when it is an ``http://`` or ``https://`` URL with a host; ValueError saying
     why otherwise. No credentials in it (they would end up in logs and error strings),
-    no blanks or control characters, at most 2048 characters."""
+    no blanks or control characters, at most 2048 characters. ``what`` names it in errors."""
     if not isinstance(url, str):
-        raise ValueError(f"metrics URL must be a string, got {type(url).__name__}")
+        raise ValueError(f"{what} must be a string, got {type(url).__name__}")
     if not url or len(url) > MAX_URL_CHARS:
-        raise ValueError(f"metrics URL must be 1-{MAX_URL_CHARS} characters, got {len(url)}")
+        raise ValueError(f"{what} must be 1-{MAX_URL_CHARS} characters, got {len(url)}")
     if any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F for c in url) or not url.isascii():
-        raise ValueError(f"metrics URL {url[:100]!r} has blanks, control or non-ASCII characters")
+        raise ValueError(f"{what} {url[:100]!r} has blanks, control or non-ASCII characters")
     try:
         parts = urlsplit(url)
         port = parts.port  # ValueError when not 0-65535 digits
     except ValueError as e:
-        raise ValueError(f"metrics URL {url[:100]!r} is invalid: {e}") from None
+        raise ValueError(f"{what} {url[:100]!r} is invalid: {e}") from None
     if parts.scheme.lower() not in ("http", "https"):
-        raise ValueError(f"metrics URL must be http:// or https://, got {url[:100]!r}")
+        raise ValueError(f"{what} must be http:// or https://, got {url[:100]!r}")
     if not parts.hostname:
-        raise ValueError(f"metrics URL {url[:100]!r} has no host")
+        raise ValueError(f"{what} {url[:100]!r} has no host")
     if parts.username is not None or parts.password is not None:
-        raise ValueError("metrics URL must not carry credentials (user:password@)")
+        raise ValueError(f"{what} must not carry credentials (user:password@)")
     if port == 0:
-        raise ValueError(f"metrics URL {url[:100]!r}: port must be 1-65535")
+        raise ValueError(f"{what} {url[:100]!r}: port must be 1-65535")
     return url
 
 
@@ -138,6 +138,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # vLLM's Prometheus /metrics of this engine (every DP rank behind it, told apart by
     # the ``engine`` label): scraped to correct the in-flight load estimate.
     metrics_url: str | None = None
+    # The engine's OpenAI-compatible server (``http://HOST:8000``, no path): where the
+    # gateway forwards requests routed to it (every DP rank behind it, picked by header).
+    api_url: str | None = None
 
     @property
     def ranks(self) -> range:
@@ -160,6 +163,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 check_metrics_url(self.metrics_url)
             except ValueError as e:
                 raise ValueError(f"engine {self.id} metrics_url: {e}") from None
+        if self.api_url is not None:
+            try:
+                check_metrics_url(self.api_url, "api_url")
+            except ValueError as e:
+                raise ValueError(f"engine {self.id}: {e}") from None
 
 
 class EndpointRefused(ValueError):
@@ -207,6 +215,8 @@ class EndpointPolicy:
         """Raise :class:`EndpointRefused` unless every endpoint of ``cfg`` is allowed."""
         if cfg.metrics_url is not None and not self.open:
             self._check_host(cfg.id, "metrics_url", urlsplit(cfg.metrics_url).hostname or "")
+        if cfg.api_url is not None and not self.open:
+            self._check_host(cfg.id, "api_url", urlsplit(cfg.api_url).hostname or "")
         for what, ep in (("endpoint", cfg.endpoint), ("replay_endpoint", cfg.replay_endpoint)):
             if ep is None:
                 continue

@@ -268,7 +268,7 @@ def py_rank_args(**over: Any) -> list[Any]:
     args: dict[str, Any] = {
         "cands": [("a", 0, False), ("é", 1, True), ("b", 0, False)], "workers": res.workers, "pred": None,
         "load": None, "used": set(), "in_flight": None, "link": None, "qb": res.query_blocks, "bs": BS,
-        "scale": 1.0, "idle": "index", "entry_cls": None, "load_cls": None,
+        "scale": 1.0, "idle": "index", "entry_cls": None, "load_cls": None, "slot": 0, "of": 1,
     }
     args.update(over)
     return list(args.values())

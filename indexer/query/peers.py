@@ -1,0 +1,71 @@
+"""The index's door for route sync: other router replicas' requests into the in-flight
+view, this replica's own out, each call under the index's lock (a mixin of
+:class:`indexer.PrefixIndex`; :mod:`indexer.store.peerflight` does the work)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from indexer.store.flight import FlightListener, NoListener
+from indexer.store.peerflight import PeerEntry
+
+if TYPE_CHECKING:
+    import threading
+
+    from indexer.store.inflight import InFlight
+
+__all__ = ["Peers"]
+
+
+class Peers:
+    """Route sync's calls into the index (see the module)."""
+
+    if TYPE_CHECKING:
+        _lock: threading.Lock
+        inflight: InFlight
+
+    @property
+    def origin(self) -> str:
+        """This index's name among router replicas (the prefix of its request ids)."""
+        return self.inflight.origin
+
+    def set_flight_listener(self, listener: FlightListener | None) -> None:
+        """Tell ``listener`` of every decision this index records and every end of one
+        from now on (None: tell nobody)."""
+        with self._lock:
+            self.inflight.listener = listener if listener is not None else NoListener()
+
+    def adopt_peer(self, origin: str, entries: Iterable[PeerEntry]) -> int:
+        """Hold peer ``origin``'s open requests (:meth:`~indexer.store.peerflight.PeerFlight.adopt`);
+        returns how many were new."""
+        with self._lock:
+            adopt = self.inflight.adopt
+            return sum(adopt(origin, e) for e in entries)
+
+    def end_peer(self, ends: Iterable[tuple[str, bool]]) -> int:
+        """``(request id, whole)`` a peer says ended; returns how many were open here."""
+        with self._lock:
+            end = self.inflight.end_peer
+            return sum(end(rid, whole) for rid, whole in ends)
+
+    def forget_peer_worker(self, worker: tuple[str, int]) -> int:
+        """A peer saw ``worker`` removed, restarted or cleared: end its requests."""
+        with self._lock:
+            return self.inflight.forget_peer_worker(worker)
+
+    def drop_peer(self, origin: str, keep: Iterable[str] | None = None) -> int:
+        """End peer ``origin``'s requests but those in ``keep`` (all: it left)."""
+        with self._lock:
+            return self.inflight.drop_origin(origin, keep)
+
+    def own_requests(self) -> list[PeerEntry]:
+        """This index's own open requests, for a peer that asks."""
+        with self._lock:
+            self.inflight.expire()
+            return list(self.inflight.own_entries())
+
+    def held_by_origin(self) -> dict[str, int]:
+        """Open requests per origin (``""``: this index's own)."""
+        with self._lock:
+            return self.inflight.held_by_origin()

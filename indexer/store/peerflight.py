@@ -1,0 +1,154 @@
+"""Other router replicas' requests in this replica's in-flight view.
+
+Route sync (:mod:`indexer.ingest.routesync`) tells every replica what the others routed
+and what ended. :class:`PeerFlight` is the part of :class:`~.inflight.InFlight` that
+takes that news: a peer's request is held exactly like one routed here (its predicted
+prefix, its load, the same TTLs counted from when it was routed), tagged with its
+origin, and ends like one (announced, done, expired), except that nothing applied from
+a peer is told back to the listener, so no message echoes between replicas.
+
+A request id names its origin (``<origin>-<n>``), so a peer's end of a request that
+has not reached us yet is remembered among the ended ids and its record, arriving
+late, is ignored.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from indexer.store.flight import FlightListener, FlightRequest, WorkerKey
+
+__all__ = ["PeerEntry", "PeerFlight"]
+
+
+class PeerEntry(NamedTuple):
+    """One open request as route sync carries it: ``age`` is seconds since it was routed
+    (on the sender's clock), ``keys`` its predicted prompt blocks (empty once announced)."""
+
+    rid: str
+    model: str
+    engine: str
+    dp_rank: int
+    keys: array[int]
+    prefill_tokens: int
+    decode_blocks: int
+    prefill_open: bool
+    decode_open: bool
+    age: float
+
+
+class PeerFlight:
+    """Adopting, ending and dropping other replicas' requests (a mixin of
+    :class:`~.inflight.InFlight`; the attributes are its own)."""
+
+    if TYPE_CHECKING:
+        clock: Callable[[], float]
+        prefill_ttl_s: float
+        decode_ttl_s: float
+        requests: dict[str, FlightRequest]
+        by_origin: dict[str, dict[str, FlightRequest]]
+        by_worker: dict[WorkerKey, dict[str, FlightRequest]]
+        counters: dict[str, int]
+        origin: str
+        listener: FlightListener
+        _ended: dict[str, None]
+        _quiet: bool
+        max_in_flight: int
+
+        def expire(self, now: float | None = None) -> None: ...
+        def forget_worker(self, worker: WorkerKey) -> int: ...
+        def _open(self, req: FlightRequest, decode_deadline: float) -> bool: ...
+        def _end(self, req: FlightRequest, why: str) -> None: ...
+        def _prefill_ended(self, req: FlightRequest, why: str) -> None: ...
+
+    def adopt(self, origin: str, e: PeerEntry) -> bool:
+        """Hold peer ``origin``'s request ``e`` as if routed here ``e.age`` s ago (its TTLs
+        count from then). False, changing nothing, when it is known, ended already, ours,
+        or nothing of it is still open by our TTLs."""
+        rid = e.rid
+        if rid in self.requests or rid in self._ended or origin == self.origin or not origin:
+            return False
+        now = self.clock()
+        self.expire(now)
+        t = now - max(0.0, e.age)
+        prefill_open = e.prefill_open and len(e.keys) > 0 and t + self.prefill_ttl_s > now
+        decode_open = e.decode_open and e.decode_blocks > 0 and t + self.decode_ttl_s > now
+        if not (prefill_open or decode_open):
+            return False
+        req = FlightRequest(rid, e.model, (e.engine, e.dp_rank), e.keys, max(0, e.prefill_tokens),
+                   max(0, e.decode_blocks) if decode_open else 0, t, t + self.prefill_ttl_s, prefill_open)
+        req.origin = origin
+        quiet, self._quiet = self._quiet, True
+        try:
+            opened = self._open(req, t + self.decode_ttl_s)
+        finally:
+            self._quiet = quiet
+        if opened:
+            self.counters["adopted"] += 1
+        return opened
+
+    def end_peer(self, rid: str, whole: bool) -> bool:
+        """A peer says request ``rid`` ended (its prefill only, unless ``whole``): end it
+        here too, quietly. An unknown id is remembered as ended (its record may still be
+        on the way). True when something open ended."""
+        req = self.requests.get(rid)
+        if req is None:
+            if whole and rid not in self._ended:
+                self._ended[rid] = None
+                if len(self._ended) > self.max_in_flight:
+                    del self._ended[next(iter(self._ended))]
+            return False
+        quiet, self._quiet = self._quiet, True
+        try:
+            if whole:
+                self._end(req, "peer_ended")
+            elif req.prefill_open:
+                self._prefill_ended(req, "peer_ended")
+            else:
+                return False
+        finally:
+            self._quiet = quiet
+        return True
+
+    def forget_peer_worker(self, worker: WorkerKey) -> int:
+        """A peer saw ``worker`` removed, restarted or cleared: end its requests here too
+        (whoever routed them), quietly. Returns how many."""
+        quiet, self._quiet = self._quiet, True
+        try:
+            return self.forget_worker(worker)
+        finally:
+            self._quiet = quiet
+
+    def drop_origin(self, origin: str, keep: Iterable[str] | None = None) -> int:
+        """End peer ``origin``'s requests here, quietly, except those named in ``keep``
+        (a reconciliation with the peer's own list); all of them when the peer left or
+        died. Returns how many ended."""
+        theirs = self.by_origin.get(origin)
+        if not theirs:
+            return 0
+        kept = set(keep) if keep is not None else set()
+        gone = [r for rid, r in theirs.items() if rid not in kept]
+        quiet, self._quiet = self._quiet, True
+        try:
+            for r in gone:
+                self._end(r, "peer_dropped")
+        finally:
+            self._quiet = quiet
+        return len(gone)
+
+    def own_entries(self) -> Iterator[PeerEntry]:
+        """This replica's own open requests, oldest first, as a joining or reconciling peer
+        asks for them (reads only)."""
+        now = self.clock()
+        for r in self.requests.values():
+            if not r.origin:
+                yield PeerEntry(r.id, r.model, r.worker[0], r.worker[1], r.keys if r.prefill_open else array("Q"),
+                                r.prefill_tokens, r.decode_blocks, r.prefill_open, r.decode_open, now - r.t)
+
+    def held_by_origin(self) -> dict[str, int]:
+        """Open requests per origin (``""``: this replica's own), from the maps' sizes."""
+        out: dict[str, Any] = {o: len(m) for o, m in self.by_origin.items()}
+        out[""] = len(self.requests) - sum(out.values())
+        return out
