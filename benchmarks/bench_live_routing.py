@@ -397,8 +397,9 @@ def main() -> None:
             print(f"run {i + 1} {p:18} mean TTFT {s['ttft_mean_s']:.2f} s  p90 {s['ttft_p90_s']:.2f} s  cached "
                   f"{s['cached_share']:.2%}  route p50/p99 {s['rtt_p50_ms']:.1f}/{s['rtt_p99_ms']:.1f} ms  "
                   f"dispatch lag p99 {s['lag_p99_ms']:.1f} ms  ({s['wall_s']:.0f} s)"
-                  + (f"  estimate-true mean {ee['mean']:+,.0f} p10/p90 {ee['p10']:+,}/{ee['p90']:+,}" if ee else ""),
-                  flush=True)
+                  + (f"  estimate-true mean {ee['mean']:+,.0f} p10/p90 {ee['p10']:+,}/{ee['p90']:+,}" if ee else "")
+                  + ("  DISTURBED: the driver fell behind the trace (another process took the CPU?)"
+                     if s["lag_p99_ms"] > 50 else ""), flush=True)
         runs.append(got)
     print()
     print(report(runs, policies))
