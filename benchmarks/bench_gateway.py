@@ -11,10 +11,11 @@ front, on caches emptied before each run (``POST /reset_prefix_cache``, fronts r
   and ``kv_aware`` fed by the engines' ZMQ events (its closest mode to ours);
 * ``direct round robin``: the client itself alternating over the engines (no proxy).
 
-The requests: the Mooncake conversation trace (``../shared/data/mooncake``), its first
-``--requests`` requests in arrival order, each ``hash_id`` a fixed run of ``--words``
-words (text prompts: vllm-router's tree is over text), at most ``--max-hashes`` per
-prompt, sent closed-loop by ``--concurrency`` clients with the official ``openai``
+The requests: the Mooncake conversation trace (``../shared/data/mooncake``), the first
+``--requests`` requests of its multi-turn conversations in arrival order (a single-turn
+request shares only the system prompt, which every engine keeps), each ``hash_id`` a fixed
+run of ``--words`` words (text prompts: vllm-router's tree is over text), at most
+``--max-hashes`` per prompt, sent closed-loop by ``--concurrency`` clients with the official ``openai``
 client, streamed with ``include_usage``. Reported per front, median of ``--runs`` runs
 (min-max): the delivered cached share (the engines' own ``cached_tokens`` / prompt
 tokens), mean and p90 time to first token, and the front's added latency: the median
@@ -73,20 +74,30 @@ def router_bin() -> str:
 
 
 def prompts(n: int, words: int, max_hashes: int) -> list[str]:
+    """The first ``n`` requests of the trace's multi-turn conversations (those whose first
+    hash after the shared system prompt comes back), in arrival order, as text: a turn
+    reuses its conversation's earlier turns when it lands where they are cached."""
+    with open(TRACE) as f:
+        reqs = [json.loads(line) for line in f]
+    turns: dict[int, int] = {}
+    for r in reqs:
+        if len(r["hash_ids"]) > 1:
+            turns[r["hash_ids"][1]] = turns.get(r["hash_ids"][1], 0) + 1
     chunk: dict[int, str] = {}
     out = []
-    with open(TRACE) as f:
-        for line in f:
-            r = json.loads(line)
-            parts = []
-            for h in r["hash_ids"][:max_hashes]:
-                if h not in chunk:
-                    rng = random.Random(h)
-                    chunk[h] = " ".join(rng.choice(WORDS) for _ in range(words))
-                parts.append(chunk[h])
-            out.append(" ".join(parts))
-            if len(out) == n:
-                break
+    for r in reqs:
+        h = r["hash_ids"]
+        if len(h) < 2 or turns[h[1]] < 2:
+            continue
+        parts = []
+        for x in h[:max_hashes]:
+            if x not in chunk:
+                rng = random.Random(x)
+                chunk[x] = " ".join(rng.choice(WORDS) for _ in range(words))
+            parts.append(chunk[x])
+        out.append(" ".join(parts))
+        if len(out) == n:
+            break
     return out
 
 
