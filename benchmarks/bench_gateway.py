@@ -11,11 +11,10 @@ front, on caches emptied before each run (``POST /reset_prefix_cache``, fronts r
   and ``kv_aware`` fed by the engines' ZMQ events (its closest mode to ours);
 * ``direct round robin``: the client itself alternating over the engines (no proxy).
 
-The requests: the Mooncake conversation trace (``../shared/data/mooncake``), the first
-``--requests`` requests of its multi-turn conversations in arrival order (a single-turn
-request shares only the system prompt, which every engine keeps), each ``hash_id`` a fixed
-run of ``--words`` words (text prompts: vllm-router's tree is over text), at most
-``--max-hashes`` per prompt, sent closed-loop by ``--concurrency`` clients with the official ``openai``
+The requests: the Mooncake conversation trace's multi-turn conversations
+(``../shared/data/mooncake``) scaled down to the fleet: ``--active`` of them in progress at a
+time, their turns in turn (``prompts``), each ``hash_id`` a fixed run of ``--words`` words
+(text prompts: vllm-router's tree is over text), at most ``--max-hashes`` per prompt, sent closed-loop by ``--concurrency`` clients with the official ``openai``
 client, streamed with ``include_usage``. Reported per front, median of ``--runs`` runs
 (min-max): the delivered cached share (the engines' own ``cached_tokens`` / prompt
 tokens), mean and p90 time to first token, and the front's added latency: the median
@@ -73,31 +72,40 @@ def router_bin() -> str:
     return str(exe)
 
 
-def prompts(n: int, words: int, max_hashes: int) -> list[str]:
-    """The first ``n`` requests of the trace's multi-turn conversations (those whose first
-    hash after the shared system prompt comes back), in arrival order, as text: a turn
-    reuses its conversation's earlier turns when it lands where they are cached."""
+def prompts(n: int, words: int, max_hashes: int, active: int) -> list[str]:
+    """``n`` turns of the trace's multi-turn conversations (those whose first hash after the
+    shared system prompt comes back), scaled down to this fleet: ``active`` conversations at
+    a time, their turns taken in turn, a finished one replaced by the trace's next. The
+    trace's own turns come minutes apart, long after a small cache has evicted the last one;
+    here a conversation's next turn comes after the other active ones' turns, so whether it
+    finds its earlier turns cached depends on where it is sent."""
     with open(TRACE) as f:
         reqs = [json.loads(line) for line in f]
-    turns: dict[int, int] = {}
-    for r in reqs:
-        if len(r["hash_ids"]) > 1:
-            turns[r["hash_ids"][1]] = turns.get(r["hash_ids"][1], 0) + 1
-    chunk: dict[int, str] = {}
-    out = []
+    convs: dict[int, list[list[int]]] = {}
     for r in reqs:
         h = r["hash_ids"]
-        if len(h) < 2 or turns[h[1]] < 2:
-            continue
-        parts = []
-        for x in h[:max_hashes]:
+        if len(h) > 1:
+            convs.setdefault(h[1], []).append(h[:max_hashes])
+    queue = [turns for turns in convs.values() if len(turns) >= 2]
+    chunk: dict[int, str] = {}
+
+    def text(h: list[int]) -> str:
+        for x in h:
             if x not in chunk:
                 rng = random.Random(x)
                 chunk[x] = " ".join(rng.choice(WORDS) for _ in range(words))
-            parts.append(chunk[x])
-        out.append(" ".join(parts))
-        if len(out) == n:
-            break
+        return " ".join(chunk[x] for x in h)
+
+    live = [queue.pop(0) for _ in range(min(active, len(queue)))]
+    out = []
+    while live and len(out) < n:
+        for i in range(len(live)):
+            if len(out) == n:
+                break
+            out.append(text(live[i].pop(0)))
+            if not live[i] and queue:
+                live[i] = queue.pop(0)
+        live = [c for c in live if c]
     return out
 
 
@@ -235,6 +243,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--words", type=int, default=40, help="words per hash_id (~2 blocks of 32 tokens)")
     ap.add_argument("--max-hashes", type=int, default=10)
+    ap.add_argument("--active", type=int, default=16,
+                    help="conversations in progress at once (more than one engine's cache holds)")
     ap.add_argument("--gpu-blocks", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--latency-n", type=int, default=40)
@@ -251,7 +261,7 @@ def main() -> None:
     model = work / "model"
     subprocess.run([py, str(ROOT / "tests" / "e2e" / "real" / "make_model.py"), str(model)], check=True,
                    capture_output=True)
-    texts = prompts(a.requests, a.words, a.max_hashes)
+    texts = prompts(a.requests, a.words, a.max_hashes, a.active)
     engines = [VllmEngine(py, str(model), f"e{i}", work, gpu_blocks=a.gpu_blocks, max_model_len=1024)
                for i in range(a.engines)]
     results: dict[str, list[dict[str, Any]]] = {}
