@@ -153,9 +153,6 @@ class Gateway:
                 body = {**body, "stream_options": {**(so if isinstance(so, dict) else {}), "include_usage": True}}
                 upstream = _ENC.encode(body)
                 strip_usage = True
-        mt = body.get("max_completion_tokens") if chat else None
-        mt = mt if isinstance(mt, int) else body.get("max_tokens")
-        max_tokens = mt if isinstance(mt, int) and mt > 0 else None
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         headers = {"content-type": "application/json"}
         auth = request.headers.get("authorization")
@@ -164,7 +161,7 @@ class Gateway:
         tried: set[str] = set()
         for attempt in (0, 1):
             try:
-                out, target = self._route(model, tokens, salt, max_tokens, tried)
+                out, target = self._route(model, tokens, salt, tried)
             except HTTPError as e:
                 self.ledger.rejected["saturated" if e.status == 429 else "no_engine"] += 1
                 return oai_error(e.status, e.detail, {"retry-after": "1"} if e.status == 429 else None)
@@ -258,8 +255,7 @@ class Gateway:
         models = self.index.models()
         return models[0] if len(models) == 1 else "default"
 
-    def _route(self, model: str, tokens: list[int], salt: str | None, max_tokens: int | None,
-               tried: set[str]) -> tuple[Any, _Target]:
+    def _route(self, model: str, tokens: list[int], salt: str | None, tried: set[str]) -> tuple[Any, _Target]:
         """The index's decision over the workers with an api_url and room (recorded), and
         where to send it; HTTPError 503 (none has an api_url) or 429 (none has room)."""
         targets = self.targets()
@@ -280,7 +276,11 @@ class Gateway:
                 raise HTTPError(503, "no other engine to retry on")
             raise HTTPError(429, f"every engine of model {model!r} has {cap} requests in flight through this gateway")
         t0 = time.perf_counter()
-        out = self.index.route_response(tokens, model=model, cache_salt=salt, max_tokens=max_tokens,
+        # No max_tokens: a request's load is its prefill, until its first token (measured: decode
+        # blocks counted one for one with queued prefill blocks turn routing into "fewest
+        # decoding requests" and lose the cache, while a decoding request costs a newcomer's
+        # prefill little; docs/routing.md, Live). The stream still ends the request.
+        out = self.index.route_response(tokens, model=model, cache_salt=salt,
                                         candidates=None if len(room) == len(workers) else room,
                                         prefill_load_scale=self.settings.prefill_load_scale, link=self.ingest.link)
         self.decisions.add(t0, len(tokens), out)

@@ -243,8 +243,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--words", type=int, default=40, help="words per hash_id (~2 blocks of 32 tokens)")
     ap.add_argument("--max-hashes", type=int, default=10)
-    ap.add_argument("--active", type=int, default=16,
-                    help="conversations in progress at once (more than one engine's cache holds)")
+    ap.add_argument("--active", type=int, default=17,
+                    help="conversations in progress at once (more than one engine's cache holds; odd, so that "
+                    "round robin does not send a conversation's turns to one engine by accident)")
     ap.add_argument("--gpu-blocks", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--latency-n", type=int, default=40)
