@@ -95,7 +95,8 @@ class Gateway:
             s = self.settings
             self._client = httpx.AsyncClient(
                 timeout=httpx.Timeout(s.gateway_first_token_timeout_s, connect=s.gateway_connect_timeout_s),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+                # vLLM's server (uvicorn) closes an idle connection after 5 s: ours go first.
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=4.0))
         return self._client
 
     async def close(self) -> None:
@@ -186,6 +187,15 @@ class Gateway:
                     tried.add(worker)
                     continue
                 return oai_error(502, f"engine {worker} at {target.url} could not be reached: {e!r}")
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
+                # A kept-alive connection the engine had closed: nothing was answered, so the
+                # request is asked again on a new connection (routed anew: the same worker, most
+                # likely).
+                self._release(worker, rid, "upstream_failed")
+                if attempt == 0:
+                    self.ledger.retries["connection_closed"] += 1
+                    continue
+                return oai_error(502, f"engine {worker}: {e!r}")
             except httpx.TimeoutException:
                 self._release(worker, rid, "timeout")
                 return oai_error(504, f"engine {worker} did not answer within "

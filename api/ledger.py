@@ -74,7 +74,7 @@ class Ledger:
     def __init__(self) -> None:
         self.workers: dict[str, _Worker] = {}
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
-        self.retries: dict[str, int] = {"connect": 0, "engine_5xx": 0}
+        self.retries: dict[str, int] = {"connect": 0, "engine_5xx": 0, "connection_closed": 0}
         self.rejected: dict[str, int] = {"bad_request": 0, "no_tokenizer": 0, "no_engine": 0, "saturated": 0}
         self.overhead = _Hist(OVERHEAD_BUCKETS)
         self.ttft = _Hist(TTFT_BUCKETS)
@@ -140,8 +140,9 @@ class Ledger:
             for name, w in ws:
                 f.add_metric([name], getattr(w, attr))
             yield f
-        rt = CounterMetricFamily(f"{NS}_retries", "Requests retried once on the next-ranked worker, by reason "
-                                 "(connect: refused or timed out; engine_5xx: a 5xx before the first byte).",
+        rt = CounterMetricFamily(f"{NS}_retries", "Requests retried once, by reason (connect: refused or timed "
+                                 "out, on the next-ranked worker; engine_5xx: a 5xx before the first byte, the same; "
+                                 "connection_closed: a kept-alive connection the engine had closed, nothing answered).",
                                  labels=["reason"])
         for k, n in self.retries.items():
             rt.add_metric([k], n)
