@@ -95,9 +95,11 @@ def test_a_stream_passes_through_and_the_added_usage_chunk_is_not_shown(peers, c
                                                 stream_options={"include_usage": True},
                                                 extra_body={"prompt_cached": 32}))
             assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
-            g = s.client.get("/v1/gateway")[1]
-            w = g["workers"]
-            assert sum(v["delivered"] for v in w.values()) == 64 and sum(v["reports"] for v in w.values()) == 2
+            # The gateway books a stream's usage once it ended on its side: probe for it.
+            wait_for(lambda: sum(v["reports"] for v in s.client.get("/v1/gateway")[1]["workers"].values()) == 2, 5,
+                     what="both streams booked")
+            w = s.client.get("/v1/gateway")[1]["workers"]
+            assert sum(v["delivered"] for v in w.values()) == 64
             m = s.client.metrics()
             assert sum(sample(m, "kvi_gateway_delivered_cached_tokens_total", worker=k) for k in w) == 64
         finally:
