@@ -145,3 +145,19 @@ def test_R_SEC_2_a_metrics_url_outside_the_allowlist_is_refused():
     assert ix.scraper.targets() == {"x": [("http://127.0.0.1:8000/metrics", (0,))]}
     ix.remove_engine("x")
     assert ix.scraper.targets() == {}
+
+
+def test_R_SEC_2_an_api_url_outside_the_allowlist_is_refused():
+    """The gateway forwards requests to an engine's api_url: its host is checked like every
+    endpoint, and it must be a plain http(s) URL without credentials."""
+    from indexer.wire.engines import EndpointPolicy, EndpointRefused
+
+    ix = Indexer(endpoint_policy=EndpointPolicy(["127.0.0.1"]))
+    with pytest.raises(EndpointRefused, match="api_url"):
+        ix.add_engine(id="x", endpoint="tcp://127.0.0.1:5557", api_url="http://10.9.9.9:8000")
+    for bad in ("file:///etc/passwd", "http://user:pw@127.0.0.1:8000", "http://127.0.0.1:0"):
+        with pytest.raises(ValueError, match="api_url"):
+            ix.add_engine(id="x", endpoint="tcp://127.0.0.1:5557", api_url=bad)
+    assert ix.engines() == []
+    ix.add_engine(id="x", endpoint="tcp://127.0.0.1:5557", api_url="http://127.0.0.1:8000")
+    assert [c.api_url for c in ix.engines()] == ["http://127.0.0.1:8000"]
