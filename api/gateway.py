@@ -220,11 +220,12 @@ class Gateway:
 
     async def _body(self, request: Request) -> tuple[dict[str, Any], bytes]:
         limit = self.settings.max_request_bytes
-        raw = b""
+        buf = bytearray()
         async for part in request.stream():
-            raw += part
-            if len(raw) > limit:
+            buf += part
+            if len(buf) > limit:
                 raise HTTPError(413, f"request body exceeds {limit} bytes")
+        raw = bytes(buf)
         try:
             body = _JSON.decode(raw)
         except msgspec.DecodeError as e:

@@ -11,11 +11,14 @@ differently): the chart's rules alert on it.
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from api.metrics import cumulative, histogram_les
 
 NS = "kvi_gateway"
 RECENT = 50
@@ -27,29 +30,21 @@ OUTCOMES = ("ok", "engine_error", "client_error", "upstream_failed", "timeout", 
 
 
 class _Hist:
-    __slots__ = ("bounds", "counts", "total")
+    __slots__ = ("bounds", "les", "counts", "total")
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self.bounds = bounds
+        self.les = histogram_les(bounds)
         self.counts = [0] * (len(bounds) + 1)
         self.total = 0.0
 
     def observe(self, v: float) -> None:
-        i = 0
-        b = self.bounds
-        while i < len(b) and v > b[i]:
-            i += 1
-        self.counts[i] += 1
+        self.counts[bisect_left(self.bounds, v)] += 1  # Prometheus buckets are "<= le"
         self.total += v
 
     def family(self, name: str, doc: str) -> HistogramMetricFamily:
-        acc = 0
-        buckets = []
-        for le, k in zip([*map(str, self.bounds), "+Inf"], self.counts):
-            acc += k
-            buckets.append((le, acc))
         h = HistogramMetricFamily(name, doc)
-        h.add_metric([], buckets, self.total)
+        h.add_metric([], cumulative(self.les, self.counts), self.total)
         return h
 
 

@@ -63,19 +63,29 @@ class _Histograms:
         self.name = name
         self.doc = doc
         self.bounds = tuple(float(b) for b in bounds)
-        self.les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        self.les = histogram_les(self.bounds)
         self.routes: dict[str, list] = {}  # route -> [per-bucket counts (last: +Inf), sum]
 
     def family(self) -> HistogramMetricFamily:
         fam = HistogramMetricFamily(self.name, self.doc, labels=["route"])
         for route, (counts, total) in list(self.routes.items()):
-            acc = 0
-            buckets = []
-            for le, n in zip(self.les, list(counts)):
-                acc += n
-                buckets.append((le, acc))
-            fam.add_metric([route], buckets, total)
+            fam.add_metric([route], cumulative(self.les, counts), total)
         return fam
+
+
+def histogram_les(bounds: tuple[float, ...]) -> list[str]:
+    """The ``le`` labels of ``bounds`` and +Inf, as Prometheus writes them."""
+    return [floatToGoString(b) for b in bounds] + ["+Inf"]
+
+
+def cumulative(les: list[str], counts: list[int]) -> list[tuple[str, int]]:
+    """Per-bucket counts (the last: above every bound) as Prometheus's cumulative buckets."""
+    acc = 0
+    out = []
+    for le, n in zip(les, list(counts)):
+        acc += n
+        out.append((le, acc))
+    return out
 
 
 class Families(Protocol):

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from api.metrics import cumulative, histogram_les
 from api.settings import Settings
 from indexer import PrefixIndex
 
@@ -104,15 +105,9 @@ class SyncedRoutes:
                           ("dropped_requests", "Requests of replicas that left or were lost, or that their own "
                            "list no longer had.")):
             yield CounterMetricFamily(f"{NS}_{name}", doc, value=c[name])
-        n = sum(v.lag)
-        buckets = []
-        acc = 0
-        for le, k in zip([*map(str, LAG_BUCKETS), "+Inf"], v.lag):
-            acc += k
-            buckets.append((le, acc))
         h = HistogramMetricFamily(f"{NS}_lag_seconds", "From a peer's send to this replica's receipt (wall "
                                   "clocks).")
-        h.add_metric([], buckets, v.lag_sum if n else 0.0)
+        h.add_metric([], cumulative(histogram_les(LAG_BUCKETS), v.lag), v.lag_sum)
         yield h
         yield GaugeMetricFamily(f"{NS}_connected", "1 while connected to NATS.", value=int(rs.connected))
         yield GaugeMetricFamily(f"{NS}_peers", "Other replicas alive (heard within the peer timeout).",

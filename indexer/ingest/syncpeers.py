@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from array import array
+from bisect import bisect_left
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -115,10 +116,7 @@ class PeerViews:
             return None
         lag = max(0.0, time.time() - env.sent)
         self.lag_sum += lag
-        i = 0
-        while i < len(LAG_BUCKETS) and lag > LAG_BUCKETS[i]:
-            i += 1
-        self.lag[i] += 1
+        self.lag[bisect_left(LAG_BUCKETS, lag)] += 1  # Prometheus buckets are "<= le"
         self.counters["messages_in"] += 1
         self.counters["items_in"] += len(env.items)
         return env
