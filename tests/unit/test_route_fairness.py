@@ -84,7 +84,7 @@ def reference_order(held: dict[str, int], loads: dict[str, tuple[int, int]], qb:
        loads=st.dictionaries(st.sampled_from(["a", "b", "c", "aa", "b1", "z", "y"]),
                              st.tuples(st.integers(0, 3 * BS), st.integers(0, 2)), max_size=7),
        compiled=st.sampled_from(COMPILED), slot0_of=st.integers(1, 5))
-def test_the_default_slot_and_slot_0_keep_the_engine_then_rank_order(held, loads, compiled, slot0_of):
+def test_R_Q_3_the_default_slot_and_slot_0_keep_the_engine_then_rank_order(held, loads, compiled, slot0_of):
     saved = route_mod._core
     try:
         if not compiled:
@@ -111,7 +111,7 @@ def test_the_default_slot_and_slot_0_keep_the_engine_then_rank_order(held, loads
 
 @pytest.mark.parametrize("n,k", [(8, 1), (8, 2), (8, 4), (8, 8), (8, 12), (4, 2), (5, 3), (6, 6)])
 @pytest.mark.parametrize("reported", [0, 2], ids=["idle", "engine-reports"])
-def test_two_replicas_spread_a_cold_burst_as_one_router_does(twin, n, k, reported):
+def test_R_Q_3_two_replicas_spread_a_cold_burst_as_one_router_does(twin, n, k, reported):
     one = replicas(n, 2 * k, [(0, 1)], reported=reported)
     two = replicas(n, k, [(0, 2), (1, 2)], reported=reported)
     herd = replicas(n, k, [(0, 1), (0, 1)], reported=reported)
@@ -126,7 +126,7 @@ def test_two_replicas_spread_a_cold_burst_as_one_router_does(twin, n, k, reporte
 
 
 @pytest.mark.parametrize("n,cached", [(4, (1, 3)), (4, (0, 1)), (6, (4, 5)), (5, (0, 4)), (8, (2, 3))])
-def test_two_replicas_split_a_prefix_cached_on_two_engines(twin, n, cached):
+def test_R_Q_3_two_replicas_split_a_prefix_cached_on_two_engines(twin, n, cached):
     one = replicas(n, 2, [(0, 1)], cached=cached)
     two = replicas(n, 1, [(0, 2), (1, 2)], cached=cached)
     herd = replicas(n, 1, [(0, 1), (0, 1)], cached=cached)
