@@ -11,16 +11,29 @@ index, recorded and not.
   with ``max_tokens``, then its ``route_done``): per-call latency of 1,024-token prompts
   on the index just built, median and p99 per run.
 
-The GIL switch interval is the service's (0.2 ms) unless ``--switch-interval`` says. Runs alternate off/on (``--runs`` each, default 3); each figure is the median of the
+The GIL switch interval is the service's (0.2 ms) unless ``--switch-interval`` says.
+
+``--service``: the same question asked of ``kv-indexer serve`` as users run it, two
+processes at their defaults, one with ``KVI_RECORD_DIR`` set (``--tokens`` as
+``KVI_RECORD_TOKENS``), fed and queried as ``bench_services.py`` feeds and queries them
+(``--entries``, default 10^6, over 8 engines' real ZMQ PUB sockets): *ingest* blocks/s
+until every engine's last sequence matches, each server alone (the order alternating by
+run); then *query* latency of ``/query`` (Dynamo's route, a match) and ``/v1/route`` of
+1,024 tokens, in slices alternating between the two servers.
+
+Runs alternate off/on (``--runs`` each, default 3); each figure is the median of the
 runs with their min-max spread, and the cost is (on - off) / off of the medians. Figures
 are reported, never asserted.
 
     .venv/bin/python benchmarks/bench_record.py [--runs 3] [--seqs 500] [--tokens hashed|full|none]
+    .venv/bin/python benchmarks/bench_record.py --service [--entries 1000000] [--runs 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import tempfile
 import time
@@ -82,6 +95,62 @@ def queries(idx: PrefixIndex, prompts: list[bytes], recorded: bool, tokens: str)
     return {"match": lat_stats_us(ns_match), "route": lat_stats_us(ns_route)}
 
 
+def service(args) -> None:
+    """``--service``: ingest and query latency of two ``serve`` processes, one recording."""
+    import bench_services as bs
+
+    w = bs.Workload(args.entries, 8)
+    body = bs.query_body(w.shared[0].tolist())  # held whole by every engine
+    route = json.dumps({"token_ids": w.shared[0].tolist(), "model": "default"}).encode()
+    figs: dict[str, dict[str, list[float]]] = {"off": {}, "on": {}}
+    written = []
+    for r in range(args.runs):
+        with tempfile.TemporaryDirectory(prefix="kvi-bench-rec-") as d, bs.ExitStack() as up:
+            live: dict[str, tuple] = {}
+            for kind in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                env = {"KVI_RECORD_DIR": d, "KVI_RECORD_TOKENS": args.tokens} if kind == "on" else {}
+                old = {k: os.environ.get(k) for k in ("KVI_RECORD_DIR", "KVI_RECORD_TOKENS")}
+                os.environ.update(env)
+                try:
+                    srv, c, pubs, _ = up.enter_context(bs.serving("ours", w.workers, "/query"))
+                finally:
+                    for k, v in old.items():
+                        if v is None:
+                            os.environ.pop(k, None)
+                        else:
+                            os.environ[k] = v
+                bs.warm_memory(w.entries)
+                secs = bs.ingest(c, pubs, w, "/query")
+                figs[kind].setdefault("ingest", []).append(w.entries / secs)
+                live[kind] = (c, "/query")
+                print(f"[run {r + 1} {kind:3}] ingest {w.entries / secs:,.0f} blocks/s", flush=True)
+            for name, path, req in (("query", "/query", body), ("route", "/v1/route", route)):
+                lat = bs.interleaved_latency({k: (c, path) for k, (c, _) in live.items()}, req, args.calls, 200)
+                for kind, (med, p99) in lat.items():
+                    figs[kind].setdefault(f"{name}_med", []).append(med)
+                    figs[kind].setdefault(f"{name}_p99", []).append(p99)
+            written.append(sum(f.stat().st_size for f in Path(d).rglob("*") if f.is_file()))
+    rows = []
+    for key, what, unit in (("ingest", "ingest, 8 engines over ZMQ", "blocks/s"),
+                            ("query_med", "/query 1,024 tokens, median", "us"),
+                            ("query_p99", "/query 1,024 tokens, p99", "us"),
+                            ("route_med", "/v1/route 1,024 tokens, median", "us"),
+                            ("route_p99", "/v1/route 1,024 tokens, p99", "us")):
+        rows.append(_row(figs["off"][key], figs["on"][key], what, unit, key == "ingest"))
+    print(table(["figure", "unit", "not recorded: median (min-max)", f"recorded ({args.tokens})", "cost"], rows,
+                title=f"## serve, {w.entries:,} entries, {args.calls:,} calls a route, {args.runs} runs each"))
+    print(f"\nrecorded {spread(written)['median'] / 1e6:.1f} MB a run (median)")
+
+
+def _row(off_xs: list[float], on_xs: list[float], what: str, unit: str, higher_better: bool) -> list:
+    off, on = spread(off_xs), spread(on_xs)
+    cost = (on["median"] - off["median"]) / off["median"] * 100
+    if higher_better:
+        cost = -cost  # lower throughput is the cost
+    return [what, unit, f"{off['median']:.1f} ({off['min']:.1f}-{off['max']:.1f})",
+            f"{on['median']:.1f} ({on['min']:.1f}-{on['max']:.1f})", f"{cost:+.1f}%"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     wl.add_arguments(ap, seqs=500)
@@ -90,7 +159,14 @@ def main() -> None:
     ap.add_argument("--tokens", choices=["hashed", "full", "none"], default="hashed")
     ap.add_argument("--switch-interval", type=float, default=0.0002,
                     help="the GIL switch interval (default: the service's, api/cli/serve.py; Python's own is 0.005)")
+    ap.add_argument("--service", action="store_true", help="measure two serve processes instead (see above)")
+    ap.add_argument("--entries", type=int, default=1_000_000, help="--service: resident entries ingested")
+    ap.add_argument("--calls", type=int, default=4000, help="--service: timed calls per route")
     args = ap.parse_args()
+    if args.service:
+        header("recording cost: the service's ingest and query latency, recorded vs not", args)
+        service(args)
+        return
     # As the service runs: a thread holding the GIL is asked to let go after 0.2 ms, so the
     # recording's writer never holds a query long; the price is more handoffs between threads.
     sys.setswitchinterval(args.switch_interval)
@@ -125,12 +201,7 @@ def main() -> None:
                             ("match_p99", "match_plain 1,024 tokens, p99", "us"),
                             ("route_med", "route 1,024 tokens, median", "us"),
                             ("route_p99", "route 1,024 tokens, p99", "us")):
-        off, on = spread(res[False][key]), spread(res[True][key])
-        cost = (on["median"] - off["median"]) / off["median"] * 100
-        if key == "ingest":
-            cost = -cost  # lower throughput is the cost
-        rows.append([what, unit, f"{off['median']:.1f} ({off['min']:.1f}-{off['max']:.1f})",
-                     f"{on['median']:.1f} ({on['min']:.1f}-{on['max']:.1f})", f"{cost:+.1f}%"])
+        rows.append(_row(res[False][key], res[True][key], what, unit, key == "ingest"))
     print(table(["figure", "unit", "not recorded: median (min-max)", f"recorded ({args.tokens})", "cost"], rows,
                 title=f"## {len(items):,} batches, {args.queries:,} queries, {args.runs} runs each, alternating"))
     d = spread(extra["drain"])

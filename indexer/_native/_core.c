@@ -66,17 +66,19 @@ static struct PyModuleDef core_module = {
 PyMODINIT_FUNC
 PyInit__core(void)
 {
-    if (PyType_Ready(&kvi_U64MapType) < 0 || PyType_Ready(&kvi_NodeType) < 0 || PyType_Ready(&kvi_NodeIndexType) < 0)
+    if (PyType_Ready(&kvi_U64MapType) < 0 || PyType_Ready(&kvi_NodeType) < 0 || PyType_Ready(&kvi_NodeIndexType) < 0 ||
+        PyType_Ready(&kvi_JournalCoreType) < 0)
         return NULL;
     PyObject *mod = PyModule_Create(&core_module);
     if (mod == NULL)
         return NULL;
     /* Each file's functions: the same names and docstrings as when one table held them. */
     PyMethodDef *tables[] = {kvi_answers_methods, kvi_ranking_methods, kvi_keys_methods, kvi_events_methods,
-                             kvi_tree_methods, kvi_snapshot_methods};
+                             kvi_tree_methods, kvi_snapshot_methods, kvi_recframe_methods};
     for (size_t i = 0; i < sizeof tables / sizeof tables[0]; i++)
         if (PyModule_AddFunctions(mod, tables[i]) < 0)
             goto fail;
+    kvi_recframe_init();
     kvi_ZERO = PyLong_FromLong(0);
     kvi_GPU_NAME = PyUnicode_InternFromString("GPU");
     if (kvi_ZERO == NULL || kvi_GPU_NAME == NULL)
@@ -87,7 +89,9 @@ PyInit__core(void)
     Py_INCREF(&kvi_U64MapType);
     Py_INCREF(&kvi_NodeType);
     Py_INCREF(&kvi_NodeIndexType);
-    if (PyModule_AddObject(mod, "U64Map", (PyObject *)&kvi_U64MapType) < 0 ||
+    Py_INCREF(&kvi_JournalCoreType);
+    if (PyModule_AddObject(mod, "JournalCore", (PyObject *)&kvi_JournalCoreType) < 0 ||
+        PyModule_AddObject(mod, "U64Map", (PyObject *)&kvi_U64MapType) < 0 ||
         PyModule_AddObject(mod, "Node", (PyObject *)&kvi_NodeType) < 0 ||
         PyModule_AddObject(mod, "NodeIndex", (PyObject *)&kvi_NodeIndexType) < 0)
         goto fail;

@@ -18,7 +18,7 @@ Conventions the C follows:
 """
 
 from _typeshed import SupportsKeysAndGetItem
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, Final, Literal, TypeAlias, TypeVar, final, overload
 
 from typing_extensions import Buffer
@@ -325,3 +325,31 @@ def load_map(wmap: U64Map, hashes: Buffer, idx: Buffer, nodes: list[Node], /) ->
     ``snapshot._py_load_map``.
     """
 
+
+
+# ------------------------------------------------------------------ recording (journal.c, recframe.c)
+
+
+class JournalCore:
+    """The hot half of a recording's journal (``indexer.store.journal.Journal``)."""
+
+    records: Any
+    raw: Callable[[], float]
+    max_pending: int
+    active: bool
+    overflowed: bool
+
+    def __init__(self, raw: Callable[[], float], max_pending: int = 1000000) -> None: ...
+    def run(self, op: int, fn: Callable[..., Any], args: tuple[Any, ...], /) -> Any:
+        """``fn(*args)``, the call queued with its result and clock readings."""
+    def clock(self) -> float:
+        """The index's clock; a reading inside a run is noted."""
+
+
+def frame_applies(records: list[Any], start: int, hashed: bool, seed: int, fd: int, /) -> tuple[int, int]:
+    """Write the frames of the run of applies from ``start`` to ``fd``; (next, bytes written).
+    The Python twin is ``Recorder._encode`` with ``recfile.frame``."""
+
+
+def frame_many(bodies: list[bytes], /) -> bytes:
+    """Each body framed as ``recfile.frame`` frames it, joined."""

@@ -13,7 +13,9 @@
  *   node.c      Node, one block of a tree, and its Side
  *   tree.c      the GPU loops over a tree: insert_gpu, insert_gpu_raw, walk, remove_gpu
  *   keys.c      block_keys (xxh3-64 of each block of tokens) and that hash
- *   events.c    vLLM's msgpack events: tokens_from_msgpack, scan_gpu_batch
+ *   events.c    vLLM's msgpack events: tokens_from_msgpack, scan_gpu_batch (reader.h reads msgpack)
+ *   journal.c   JournalCore: a recording's journal on the hot paths (run, clock)
+ *   recframe.c  a recording's frames, built without the GIL: frame_applies, frame_many
  *   snapshot.c  a snapshot's columns: NodeIndex, dump_*, node_index, translate, load_*
  *   answers.c   the ranked answers of a GPU-only match
  *   ranking.c   a route's ranking of its candidates
@@ -55,6 +57,7 @@ typedef struct {
 extern KVI_HIDDEN PyTypeObject kvi_U64MapType;
 extern KVI_HIDDEN PyTypeObject kvi_NodeType;
 extern KVI_HIDDEN PyTypeObject kvi_NodeIndexType;
+extern KVI_HIDDEN PyTypeObject kvi_JournalCoreType; /* journal.c */
 
 /* Made by the module's init (_core.c), one reference held there. */
 extern KVI_HIDDEN PyObject *kvi_DEAD;     /* the sentinel parent of freed nodes; module attribute DEAD */
@@ -301,6 +304,8 @@ child_of(Node *parent, uint64_t k)
 extern KVI_HIDDEN PyMethodDef kvi_tree_methods[];
 extern KVI_HIDDEN PyMethodDef kvi_keys_methods[];
 extern KVI_HIDDEN PyMethodDef kvi_events_methods[];
+extern KVI_HIDDEN PyMethodDef kvi_recframe_methods[];
+KVI_HIDDEN void kvi_recframe_init(void); /* recframe.c: its crc32 table, made at import */
 extern KVI_HIDDEN PyMethodDef kvi_snapshot_methods[];
 extern KVI_HIDDEN PyMethodDef kvi_answers_methods[];
 extern KVI_HIDDEN PyMethodDef kvi_ranking_methods[];

@@ -4,112 +4,7 @@
  * pass). Both return None for any other shape, so wire.decode_batch's typed decoder
  * decides and says what is wrong. */
 #include "core.h"
-
-/* A msgpack reader over [p, end): each rd_* consumes one value of its kind and
- * returns 1, or returns 0 and consumes nothing when the next value is another kind
- * (or truncated). */
-typedef struct {
-    const unsigned char *p, *end;
-} Rd;
-
-static int
-rd_len(Rd *r, unsigned char fix_lo, unsigned char fix_hi, unsigned char c16, unsigned char c32, uint32_t *n)
-{
-    if (r->p >= r->end)
-        return 0;
-    unsigned char c = *r->p;
-    if (c >= fix_lo && c <= fix_hi) {
-        *n = c & (fix_hi - fix_lo);
-        r->p += 1;
-        return 1;
-    }
-    if (c == c16 && r->end - r->p >= 3) {
-        *n = (uint32_t)be(r->p + 1, 2);
-        r->p += 3;
-        return 1;
-    }
-    if (c == c32 && r->end - r->p >= 5) {
-        *n = (uint32_t)be(r->p + 1, 4);
-        r->p += 5;
-        return 1;
-    }
-    return 0;
-}
-
-static int
-rd_nil(Rd *r)
-{
-    if (r->p < r->end && *r->p == 0xc0) {
-        r->p++;
-        return 1;
-    }
-    return 0;
-}
-
-static int
-rd_str(Rd *r, const char **s, uint32_t *n)
-{
-    Rd save = *r;
-    if (r->p < r->end && *r->p == 0xd9 && r->end - r->p >= 2) { /* str8 */
-        *n = r->p[1];
-        r->p += 2;
-    }
-    else if (!rd_len(r, 0xa0, 0xbf, 0xda, 0xdb, n))
-        return 0;
-    if ((uint64_t)(r->end - r->p) < *n) {
-        *r = save;
-        return 0;
-    }
-    *s = (const char *)r->p;
-    r->p += *n;
-    return 1;
-}
-
-/* An integer of any msgpack encoding; *neg set for a negative one (then *v is its
- * two's complement as int64). */
-static int
-rd_int(Rd *r, uint64_t *v, int *neg)
-{
-    if (r->p >= r->end)
-        return 0;
-    unsigned char c = *r->p;
-    *neg = 0;
-    if (c <= 0x7f) {
-        *v = c;
-        r->p += 1;
-        return 1;
-    }
-    if (c >= 0xe0) { /* negative fixint */
-        *v = (uint64_t)(int64_t)(int8_t)c;
-        *neg = 1;
-        r->p += 1;
-        return 1;
-    }
-    if (c >= 0xcc && c <= 0xcf) {
-        int w = 1 << (c - 0xcc);
-        if (r->end - r->p < 1 + w)
-            return 0;
-        /* Constant widths, so each read compiles to a load and a byte swap: an event's
-         * block hashes are uint64 (0xcf), its token ids mostly uint16 (0xcd). */
-        const unsigned char *q = r->p + 1;
-        *v = w == 8 ? be(q, 8) : w == 2 ? be(q, 2) : w == 4 ? be(q, 4) : be(q, 1);
-        r->p += 1 + w;
-        return 1;
-    }
-    if (c >= 0xd0 && c <= 0xd3) {
-        int w = 1 << (c - 0xd0);
-        if (r->end - r->p < 1 + w)
-            return 0;
-        uint64_t u = be(r->p + 1, w);
-        int shift = 64 - 8 * w;
-        int64_t sv = shift ? (int64_t)(u << shift) >> shift : (int64_t)u;
-        *v = (uint64_t)sv;
-        *neg = sv < 0;
-        r->p += 1 + w;
-        return 1;
-    }
-    return 0;
-}
+#include "reader.h"
 
 static PyObject *
 int_obj(uint64_t v, int neg)
@@ -130,46 +25,10 @@ rd_tokens(Rd *r, PyObject **out, uint32_t *count)
     PyObject *b = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n * 4);
     if (b == NULL)
         return -1;
-    unsigned char *o = (unsigned char *)PyBytes_AS_STRING(b);
-    const unsigned char *p = r->p, *end = r->end;
-    uint32_t i = 0;
-    while (i < n) {
-        /* The two shapes a vLLM token id takes (a positive fixint below 128, a uint16
-         * above) read inline: ~1,000 per event, the decode's hottest loop; four uint16
-         * in a row (the common run) in one step. Anything else through rd_int, which
-         * also refuses what is not a uint32. */
-        unsigned char *q = o + (size_t)i * 4;
-        if (n - i >= 4 && end - p >= 12 && p[0] == 0xcd && p[3] == 0xcd && p[6] == 0xcd && p[9] == 0xcd) {
-            put_le32(q, (uint32_t)be(p + 1, 2));
-            put_le32(q + 4, (uint32_t)be(p + 4, 2));
-            put_le32(q + 8, (uint32_t)be(p + 7, 2));
-            put_le32(q + 12, (uint32_t)be(p + 10, 2));
-            p += 12;
-            i += 4;
-            continue;
-        }
-        uint32_t t;
-        if (p < end && *p < 0x80)
-            t = *p++;
-        else if (end - p >= 3 && *p == 0xcd) {
-            t = (uint32_t)be(p + 1, 2);
-            p += 3;
-        }
-        else {
-            uint64_t v;
-            int neg;
-            r->p = p;
-            if (!rd_int(r, &v, &neg) || neg || v > 0xffffffffULL) {
-                Py_DECREF(b);
-                return 0;
-            }
-            p = r->p;
-            t = (uint32_t)v;
-        }
-        put_le32(q, t);
-        i++;
+    if (!rd_token_values(r, (unsigned char *)PyBytes_AS_STRING(b), n)) {
+        Py_DECREF(b);
+        return 0;
     }
-    r->p = p;
     *out = b;
     *count = n;
     return 1;
@@ -202,19 +61,6 @@ tokens_from_msgpack(PyObject *Py_UNUSED(mod), PyObject *raw)
 
 /* ------------------------------------------------------- scan_gpu_batch */
 
-static int
-str_is(const char *s, uint32_t n, const char *lit)
-{
-    size_t m = strlen(lit);
-    return n == m && memcmp(s, lit, m) == 0;
-}
-
-enum {
-    K_TYPE = 1 << 0, K_HASHES = 1 << 1, K_PARENT = 1 << 2, K_TOKENS = 1 << 3, K_BS = 1 << 4, K_LORA_ID = 1 << 5,
-    K_MEDIUM = 1 << 6, K_LORA_NAME = 1 << 7, K_EXTRA = 1 << 8, K_GROUP = 1 << 9, K_KIND = 1 << 10,
-    K_SWA = 1 << 11, K_LOCALITY = 1 << 12, K_OWNERSHIP = 1 << 13, K_SESSION = 1 << 14, K_LOOKAHEAD = 1 << 15,
-};
-
 /* One BlockStored map of the plain GPU shape (see scan_gpu_batch) as a tuple, NULL
  * with no error set when it is of any other shape, NULL with an error set on a real
  * error (memory). */
@@ -233,40 +79,8 @@ scan_store(Rd *r, const unsigned char *base)
         uint32_t kl;
         if (!rd_str(r, &k, &kl))
             goto other;
-        unsigned bitv;
-        if (str_is(k, kl, "type"))
-            bitv = K_TYPE;
-        else if (str_is(k, kl, "block_hashes"))
-            bitv = K_HASHES;
-        else if (str_is(k, kl, "parent_block_hash"))
-            bitv = K_PARENT;
-        else if (str_is(k, kl, "token_ids"))
-            bitv = K_TOKENS;
-        else if (str_is(k, kl, "block_size"))
-            bitv = K_BS;
-        else if (str_is(k, kl, "lora_id"))
-            bitv = K_LORA_ID;
-        else if (str_is(k, kl, "medium"))
-            bitv = K_MEDIUM;
-        else if (str_is(k, kl, "lora_name"))
-            bitv = K_LORA_NAME;
-        else if (str_is(k, kl, "extra_keys"))
-            bitv = K_EXTRA;
-        else if (str_is(k, kl, "group_idx"))
-            bitv = K_GROUP;
-        else if (str_is(k, kl, "kv_cache_spec_kind"))
-            bitv = K_KIND;
-        else if (str_is(k, kl, "kv_cache_spec_sliding_window"))
-            bitv = K_SWA;
-        else if (str_is(k, kl, "locality"))
-            bitv = K_LOCALITY;
-        else if (str_is(k, kl, "ownership"))
-            bitv = K_OWNERSHIP;
-        else if (str_is(k, kl, "session_id"))
-            bitv = K_SESSION;
-        else if (str_is(k, kl, "lookahead_token_ids"))
-            bitv = K_LOOKAHEAD;
-        else
+        unsigned bitv = field_bit(k, kl);
+        if (bitv == 0)
             goto other; /* a field we do not know: the decoder counts it */
         if (seen & bitv)
             goto other;

@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 import xxhash
 
+from indexer._native import core as _core
 from indexer.ingest.recprivacy import keys_bytes, strip_payload
 from indexer.query.index import PrefixIndex
 from indexer.query.match import KeySource
@@ -44,8 +45,18 @@ def _query(src: KeySource, mode: str, sizes: list[int]) -> dict[str, Any]:
     keys = {}
     for bs in sizes:
         n = src.ntok // bs
-        keys[bs] = keys_bytes(block_keys(src.buf, bs, src.seed(n), n))
+        keys[bs] = _packed_keys(src.buf, bs, src.seed(n), n)
     return {"n": src.ntok, "k": keys}
+
+
+def _packed_keys_py(buf: bytes, bs: int, seed: Any, n: int) -> bytes:
+    return keys_bytes(block_keys(buf, bs, seed, n))
+
+
+# A query's keys as the recording keeps them (uint64 LE bytes): in the compiled core
+# straight to bytes, with no int object per key (a third of a hashed match's record).
+_packed_keys: Any = (lambda buf, bs, seed, n: _core.block_keys(buf, bs, seed, n, 0, True)) \
+    if _core is not None else _packed_keys_py
 
 
 class RecordedKeys:

@@ -7,7 +7,8 @@ calls to, under the index lock: :meth:`Journal.run` runs the call, notes the clo
 readings it made (the index's clock is :meth:`Journal.clock` while one is attached) and
 queues ``(op, wall time, args, result, clock readings)`` for a writer thread
 (:mod:`indexer.ingest.record`). Nothing here encodes or writes: the hot paths pay a
-tuple and a deque append. Reads of the clock outside a journaled call (a stats poll, a
+tuple and a deque append (in the compiled core, ``indexer/_native/journal.c``, when
+built). Reads of the clock outside a journaled call (a stats poll, a
 snapshot's cut, explain) are not noted, so a replay feeds each call exactly the readings
 it made.
 """
@@ -17,7 +18,9 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from indexer._native import core as _core
 
 __all__ = ["Journal", "Raised", "OPS"]
 
@@ -65,12 +68,11 @@ class Raised:
         self.message = str(e)
 
 
-class Journal:
-    """The queue a recording index writes to (see the module). Not thread-safe by
-    itself: :meth:`run` and :meth:`clock` are called under the index lock; the writer
-    takes from :attr:`records` (a deque: append and popleft are atomic)."""
+class _PyJournalCore:
+    """:class:`Journal`'s hot half in Python (``indexer/_native/journal.c`` is the compiled
+    one, used when built): the queue, the clock wrapper and :meth:`run`."""
 
-    __slots__ = ("records", "times", "active", "raw", "max_pending", "overflowed", "on_restore")
+    __slots__ = ("records", "times", "active", "raw", "max_pending", "overflowed")
 
     def __init__(self, raw: Callable[[], float], max_pending: int = 1_000_000) -> None:
         self.records: deque[tuple[Any, ...]] = deque()
@@ -78,10 +80,7 @@ class Journal:
         self.active = False
         self.raw = raw
         self.max_pending = max_pending
-        self.overflowed = False  # the writer fell behind by max_pending records: recording stops
-        # Called under the lock when the index's whole state was replaced (a snapshot
-        # restored): the recorder starts a segment with a new base there.
-        self.on_restore: Callable[[], None] | None = None
+        self.overflowed = False
 
     def clock(self) -> float:
         """The index's clock while recording: a reading inside a journaled call is noted."""
@@ -93,21 +92,53 @@ class Journal:
     def run(self, op: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         """Call ``fn(*args)`` (the caller holds the index lock) and queue the call with its
         result or exception and its clock readings; returns what ``fn`` returns."""
+        outer, prev = self.times, self.active
         self.active = True
         times = self.times = []
         try:
             r = fn(*args)
         except BaseException as e:
-            self.active = False
-            self._put((op, _wall(), args, Raised(e), times))
+            self.active, self.times = prev, outer
+            self._put_raised(op, _wall(), args, e, tuple(times))
             raise
-        self.active = False
+        self.active, self.times = prev, outer
         q = self.records
-        if len(q) < self.max_pending:  # _put, inline: this runs once per batch and per query
-            q.append((op, _wall(), args, r, times))
+        if len(q) < self.max_pending:
+            q.append((op, _wall(), args, r, tuple(times)))
         else:
             self.overflowed = True
         return r
+
+    def _put_raised(self, op: int, wall: float, args: tuple[Any, ...], e: BaseException,
+                    times: tuple[float, ...]) -> None:
+        raise NotImplementedError
+
+
+if TYPE_CHECKING:
+    _JournalCore = _PyJournalCore
+else:
+    _JournalCore = _core.JournalCore if _core is not None else _PyJournalCore
+
+
+class Journal(_JournalCore):
+    """The queue a recording index writes to (see the module). Not thread-safe by
+    itself: :meth:`run` and :meth:`clock` are called under the index lock; the writer
+    takes from :attr:`records` (a deque: append and popleft are atomic). A call's clock
+    readings are a tuple; a journaled call made inside another (none is today) notes
+    its own readings, and the outer call keeps those it made."""
+
+    __slots__ = ("on_restore",)
+
+    def __init__(self, raw: Callable[[], float], max_pending: int = 1_000_000) -> None:
+        super().__init__(raw, max_pending)
+        # Called under the lock when the index's whole state was replaced (a snapshot
+        # restored): the recorder starts a segment with a new base there.
+        self.on_restore: Callable[[], None] | None = None
+
+    def _put_raised(self, op: int, wall: float, args: tuple[Any, ...], e: BaseException,
+                    times: tuple[float, ...]) -> None:
+        """Queue a journaled call that raised ``e`` (then it propagates)."""
+        self._put((op, wall, args, Raised(e), times))
 
     def note(self, kind: str, engine: str, rank: int, detail: Any = None) -> None:
         """Queue a sequencer's decision about a worker (``replayed``, ``replay_requested``,

@@ -1,0 +1,586 @@
+/* recframe.c: a recording's frames (indexer/ingest/recfile.py: length, crc32, msgpack
+ * body) made here, most of it without the GIL.
+ *
+ * Why: the recording's writer thread shares the GIL with the thread that applies
+ * batches and answers queries. In Python, a batch's record (its token ids cut out and
+ * hashed to block keys in ``hashed`` mode, the record encoded, framed and checksummed)
+ * held the GIL ~6 us for a batch the index applies in ~10: what the writer held, the
+ * hot paths waited for. Here the GIL is held only to read each record's fields (a few
+ * pointers and numbers); the payload is scanned, its keys hashed, the body encoded,
+ * checksummed and written to the segment's file with the GIL released, for a whole run
+ * of records at a time.
+ *
+ *   frame_applies(records, start, hashed, seed, fd) -> (next, written)
+ *   frame_many(bodies) -> frames
+ *
+ * A record is the journal's ``(op, wall, args, result, times)``
+ * (indexer/store/journal.py); an apply's body is what recops.encode_call and
+ * encode_result make of it, ``[op, wall, times, [engine, payload, model, dp_rank, seq],
+ * [outcome, ts]]``, with the payload as recprivacy.strip_payload keeps it: whole, or in
+ * ``hashed`` mode each plain GPU store's token_ids replaced by its block keys (uint64
+ * LE bytes, bin). A record of another kind, or a batch that is not of the plain GPU
+ * shape (the one scan_gpu_batch reads), ends the run: ``next`` is its index and the
+ * caller encodes it in Python. */
+#include "core.h"
+#include "reader.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+/* ------------------------------------------------------------------ crc32 */
+
+/* zlib's crc32 (reflected polynomial 0xEDB88320), eight bytes a step. */
+static uint32_t crc_tab[8][256];
+
+KVI_HIDDEN void
+kvi_recframe_init(void)
+{
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++)
+            c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+        crc_tab[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; i++)
+        for (int t = 1; t < 8; t++)
+            crc_tab[t][i] = (crc_tab[t - 1][i] >> 8) ^ crc_tab[0][crc_tab[t - 1][i] & 0xff];
+}
+
+static uint32_t
+crc32_of(const unsigned char *p, size_t n)
+{
+    uint32_t c = 0xFFFFFFFFu;
+    while (n >= 8) {
+        uint32_t lo = c ^ ((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24);
+        c = crc_tab[7][lo & 0xff] ^ crc_tab[6][(lo >> 8) & 0xff] ^ crc_tab[5][(lo >> 16) & 0xff] ^
+            crc_tab[4][lo >> 24] ^ crc_tab[3][p[4]] ^ crc_tab[2][p[5]] ^ crc_tab[1][p[6]] ^ crc_tab[0][p[7]];
+        p += 8;
+        n -= 8;
+    }
+    while (n--)
+        c = crc_tab[0][(c ^ *p++) & 0xff] ^ (c >> 8);
+    return c ^ 0xFFFFFFFFu;
+}
+
+/* ------------------------------------------------------------------ output */
+
+/* A growable buffer of the C allocator's (usable without the GIL). */
+typedef struct {
+    unsigned char *buf;
+    size_t len, cap;
+} Out;
+
+static int
+room(Out *o, size_t more)
+{
+    if (o->len + more <= o->cap)
+        return 1;
+    size_t nc = o->cap ? o->cap : 8192;
+    while (nc < o->len + more)
+        nc *= 2;
+    unsigned char *nb = realloc(o->buf, nc);
+    if (nb == NULL)
+        return 0;
+    o->buf = nb;
+    o->cap = nc;
+    return 1;
+}
+
+static int
+put(Out *o, const void *p, size_t n)
+{
+    if (!room(o, n))
+        return 0;
+    memcpy(o->buf + o->len, p, n);
+    o->len += n;
+    return 1;
+}
+
+static int
+put_be(Out *o, unsigned char tag, uint64_t v, int w)
+{
+    unsigned char b[9];
+    b[0] = tag;
+    for (int i = 0; i < w; i++)
+        b[1 + i] = (unsigned char)(v >> (8 * (w - 1 - i)));
+    return put(o, b, (size_t)w + 1);
+}
+
+/* msgpack, smallest encodings (what msgspec writes; any encoding reads back the same). */
+static int
+w_arr(Out *o, uint32_t n)
+{
+    unsigned char c = (unsigned char)(0x90 | n);
+    return n < 16 ? put(o, &c, 1) : n < 65536 ? put_be(o, 0xdc, n, 2) : put_be(o, 0xdd, n, 4);
+}
+
+static int
+w_int(Out *o, int64_t v)
+{
+    if (v >= 0) {
+        uint64_t u = (uint64_t)v;
+        unsigned char c = (unsigned char)u;
+        return u < 128 ? put(o, &c, 1) : u < 256 ? put_be(o, 0xcc, u, 1) : u < 65536 ? put_be(o, 0xcd, u, 2)
+             : u <= 0xffffffffULL ? put_be(o, 0xce, u, 4) : put_be(o, 0xcf, u, 8);
+    }
+    unsigned char c = (unsigned char)(int8_t)v;
+    return v >= -32 ? put(o, &c, 1) : v >= -128 ? put_be(o, 0xd0, (uint8_t)v, 1)
+         : v >= -32768 ? put_be(o, 0xd1, (uint16_t)v, 2) : v >= INT32_MIN ? put_be(o, 0xd2, (uint32_t)v, 4)
+         : put_be(o, 0xd3, (uint64_t)v, 8);
+}
+
+static int
+w_f64(Out *o, double d)
+{
+    uint64_t u;
+    memcpy(&u, &d, 8);
+    return put_be(o, 0xcb, u, 8);
+}
+
+static int
+w_nil(Out *o)
+{
+    unsigned char c = 0xc0;
+    return put(o, &c, 1);
+}
+
+static int
+w_str(Out *o, const char *s, size_t n)
+{
+    unsigned char c = (unsigned char)(0xa0 | n);
+    int ok = n < 32 ? put(o, &c, 1) : n < 256 ? put_be(o, 0xd9, n, 1) : n < 65536 ? put_be(o, 0xda, n, 2)
+           : put_be(o, 0xdb, n, 4);
+    return ok && put(o, s, n);
+}
+
+static int
+w_bin_head(Out *o, size_t n)
+{
+    return n < 256 ? put_be(o, 0xc4, n, 1) : n < 65536 ? put_be(o, 0xc5, n, 2) : put_be(o, 0xc6, n, 4);
+}
+
+/* ------------------------------------------------------------------ hashed payloads */
+
+/* One BlockStored map of the plain GPU shape (exactly what events.c's scan_store
+ * accepts, and a block size of at least 2: recprivacy's _plain_gpu) copied to ``o``
+ * with its token_ids value replaced by the block keys. ``toks``: scratch for the
+ * decoded ids. 1 done, 0 another shape, -1 out of memory. */
+static int
+strip_store(Rd *r, Out *o, Out *toks, uint64_t seed)
+{
+    const unsigned char *from = r->p, *tok_at = NULL, *tok_end = NULL;
+    uint32_t nk;
+    if (!rd_len(r, 0x80, 0x8f, 0xde, 0xdf, &nk))
+        return 0;
+    unsigned seen = 0;
+    uint64_t nblocks = 0, ntok = 0, bs = 0, v;
+    int neg;
+    for (uint32_t f = 0; f < nk; f++) {
+        const char *k, *sv;
+        uint32_t kl, sl, n;
+        if (!rd_str(r, &k, &kl))
+            return 0;
+        unsigned bitv = field_bit(k, kl);
+        if (bitv == 0 || (seen & bitv))
+            return 0;
+        seen |= bitv;
+        switch (bitv) {
+        case K_TYPE:
+            if (!rd_str(r, &sv, &sl) || !str_is(sv, sl, "BlockStored"))
+                return 0;
+            break;
+        case K_HASHES:
+            if (!rd_len(r, 0x90, 0x9f, 0xdc, 0xdd, &n) || n == 0 || n > (uint64_t)(r->end - r->p))
+                return 0;
+            for (uint32_t i = 0; i < n; i++)
+                if (!rd_int(r, &v, &neg) || neg)
+                    return 0;
+            nblocks = n;
+            break;
+        case K_PARENT:
+            if (!rd_nil(r) && (!rd_int(r, &v, &neg) || neg))
+                return 0;
+            break;
+        case K_TOKENS:
+            tok_at = r->p;
+            if (!rd_len(r, 0x90, 0x9f, 0xdc, 0xdd, &n) || n > (uint64_t)(r->end - r->p))
+                return 0;
+            toks->len = 0;
+            if (!room(toks, (size_t)n * 4))
+                return -1;
+            if (!rd_token_values(r, toks->buf, n))
+                return 0;
+            toks->len = (size_t)n * 4;
+            ntok = n;
+            tok_end = r->p;
+            break;
+        case K_BS:
+            if (!rd_int(r, &v, &neg) || neg || v == 0 || v > 0x7fffffff)
+                return 0;
+            bs = v;
+            break;
+        case K_LORA_ID:
+        case K_SWA:
+            if (!rd_nil(r) && !rd_int(r, &v, &neg))
+                return 0;
+            break;
+        case K_MEDIUM:
+            if (!rd_nil(r) && (!rd_str(r, &sv, &sl) || !str_is(sv, sl, "GPU")))
+                return 0;
+            break;
+        case K_LORA_NAME:
+        case K_EXTRA:
+        case K_LOCALITY:
+        case K_OWNERSHIP:
+        case K_LOOKAHEAD:
+            if (!rd_nil(r))
+                return 0;
+            break;
+        case K_GROUP:
+            if (!rd_nil(r) && !rd_int(r, &v, &neg))
+                return 0;
+            break;
+        case K_KIND: /* ASCII only: what is not is left to the general path, which checks UTF-8 */
+            if (rd_nil(r))
+                break;
+            if (!rd_str(r, &sv, &sl))
+                return 0;
+            for (uint32_t i = 0; i < sl; i++)
+                if ((unsigned char)sv[i] >= 0x80)
+                    return 0;
+            break;
+        case K_SESSION:
+            if (!rd_nil(r) && !rd_str(r, &sv, &sl))
+                return 0;
+            break;
+        }
+    }
+    if (!(seen & K_TYPE) || !(seen & K_HASHES) || !(seen & K_TOKENS) || !(seen & K_BS) || bs < 2 ||
+        ntok != nblocks * bs)
+        return 0;
+    if (!put(o, from, (size_t)(tok_at - from)) || !w_bin_head(o, (size_t)nblocks * 8) || !room(o, nblocks * 8))
+        return -1;
+    size_t step = (size_t)bs * 4;
+    for (uint64_t i = 0; i < nblocks; i++) {
+        put_le64(o->buf + o->len, kvi_xxh3_64(toks->buf + i * step, step, seed));
+        o->len += 8;
+    }
+    return put(o, tok_end, (size_t)(r->p - tok_end)) ? 1 : -1;
+}
+
+/* A batch (``[ts, events]`` or ``[ts, events, dp_rank]``) of plain GPU stores, each
+ * stripped (strip_store), to ``o``: 1; 0 any other batch; -1 out of memory. */
+static int
+strip_batch(const unsigned char *p, size_t n, Out *o, Out *toks, uint64_t seed)
+{
+    Rd r = {p, p + n};
+    uint32_t nb, ne;
+    if (!rd_len(&r, 0x90, 0x9f, 0xdc, 0xdd, &nb) || (nb != 2 && nb != 3) || r.p >= r.end)
+        return 0;
+    unsigned char c = *r.p;
+    double ts;
+    uint64_t v;
+    int neg;
+    if (c == 0xcb && r.end - r.p >= 9) {
+        uint64_t u = be(r.p + 1, 8);
+        memcpy(&ts, &u, 8);
+        r.p += 9;
+    }
+    else if (c == 0xca && r.end - r.p >= 5) {
+        uint32_t u = (uint32_t)be(r.p + 1, 4);
+        float fl;
+        memcpy(&fl, &u, 4);
+        ts = fl;
+        r.p += 5;
+    }
+    else if (rd_int(&r, &v, &neg))
+        ts = 0.0;
+    else
+        return 0;
+    if (!(ts - ts == 0.0) || !rd_len(&r, 0x90, 0x9f, 0xdc, 0xdd, &ne) || ne > (uint64_t)(r.end - r.p))
+        return 0;
+    if (!put(o, p, (size_t)(r.p - p)))
+        return -1;
+    for (uint32_t i = 0; i < ne; i++) {
+        int st = strip_store(&r, o, toks, seed);
+        if (st <= 0)
+            return st;
+    }
+    const unsigned char *tail = r.p;
+    if (nb == 3 && !rd_nil(&r) && !rd_int(&r, &v, &neg))
+        return 0;
+    if (r.p != r.end)
+        return 0;
+    return put(o, tail, (size_t)(r.end - tail)) ? 1 : -1;
+}
+
+/* ------------------------------------------------------------------ records */
+
+/* One apply record's fields, read under the GIL; the pointers stay valid while the
+ * caller's list holds the record. */
+typedef struct {
+    int64_t op, dp_rank, seq;
+    int has_rank, has_seq, has_ts;
+    double wall, ts;
+    const char *engine, *model, *outcome, *payload;
+    Py_ssize_t engine_n, model_n, outcome_n, payload_n;
+    size_t t0, nt; /* its clock readings: times[t0 : t0 + nt] */
+} Apply;
+
+static int
+opt_int(PyObject *o, int64_t *v, int *has)
+{
+    *has = o != Py_None;
+    if (!*has)
+        return 1;
+    if (!PyLong_CheckExact(o))
+        return 0;
+    int of;
+    *v = PyLong_AsLongLongAndOverflow(o, &of);
+    return !of && !(*v == -1 && PyErr_Occurred());
+}
+
+/* The fields of record ``rec`` if it is an apply that ran (not one that raised): 1;
+ * 0 otherwise (no error set). Its clock readings are appended to ``times``. */
+static int
+read_apply(PyObject *rec, Apply *a, double **times, size_t *nt, size_t *cap)
+{
+    if (!PyTuple_CheckExact(rec) || PyTuple_GET_SIZE(rec) != 5)
+        return 0;
+    PyObject *op = PyTuple_GET_ITEM(rec, 0), *wall = PyTuple_GET_ITEM(rec, 1), *args = PyTuple_GET_ITEM(rec, 2),
+             *res = PyTuple_GET_ITEM(rec, 3), *tl = PyTuple_GET_ITEM(rec, 4);
+    if (!PyLong_CheckExact(op) || !PyFloat_CheckExact(wall) || !PyTuple_CheckExact(args) ||
+        PyTuple_GET_SIZE(args) != 6 || !PyTuple_CheckExact(res) || PyTuple_GET_SIZE(res) != 2 || !(PyTuple_CheckExact(tl) || PyList_CheckExact(tl)))
+        return 0;
+    a->op = PyLong_AsLongLong(op);
+    if (a->op != 1 && a->op != 2) { /* the journal's APPLY and APPLY_SEQUENCED */
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *engine = PyTuple_GET_ITEM(args, 0), *payload = PyTuple_GET_ITEM(args, 1),
+             *model = PyTuple_GET_ITEM(args, 2), *outcome = PyTuple_GET_ITEM(res, 0), *ts = PyTuple_GET_ITEM(res, 1);
+    if (!PyUnicode_CheckExact(engine) || !PyBytes_CheckExact(payload) || !PyUnicode_CheckExact(model) ||
+        !PyUnicode_CheckExact(outcome) || !(ts == Py_None || PyFloat_CheckExact(ts)))
+        return 0;
+    if (!opt_int(PyTuple_GET_ITEM(args, 3), &a->dp_rank, &a->has_rank) ||
+        !opt_int(PyTuple_GET_ITEM(args, 4), &a->seq, &a->has_seq)) {
+        PyErr_Clear();
+        return 0;
+    }
+    a->engine = PyUnicode_AsUTF8AndSize(engine, &a->engine_n);
+    a->model = PyUnicode_AsUTF8AndSize(model, &a->model_n);
+    a->outcome = PyUnicode_AsUTF8AndSize(outcome, &a->outcome_n);
+    if (a->engine == NULL || a->model == NULL || a->outcome == NULL) {
+        PyErr_Clear(); /* a lone surrogate: Python's encoder says what it says */
+        return 0;
+    }
+    a->payload = PyBytes_AS_STRING(payload);
+    a->payload_n = PyBytes_GET_SIZE(payload);
+    a->wall = PyFloat_AS_DOUBLE(wall);
+    a->has_ts = ts != Py_None;
+    a->ts = a->has_ts ? PyFloat_AS_DOUBLE(ts) : 0.0;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(tl); /* a tuple (the journal's) or a list */
+    PyObject **tv = PySequence_Fast_ITEMS(tl);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyFloat_CheckExact(tv[i]))
+            return 0;
+    if (*nt + (size_t)n > *cap) {
+        size_t nc = *cap ? *cap * 2 : 256;
+        while (nc < *nt + (size_t)n)
+            nc *= 2;
+        double *nb = realloc(*times, nc * sizeof(double));
+        if (nb == NULL)
+            return 0;
+        *times = nb;
+        *cap = nc;
+    }
+    a->t0 = *nt;
+    a->nt = (size_t)n;
+    for (Py_ssize_t i = 0; i < n; i++)
+        (*times)[(*nt)++] = PyFloat_AS_DOUBLE(tv[i]);
+    return 1;
+}
+
+/* One apply's frame appended to ``out`` (its body written in place after the 8 bytes
+ * of length and checksum): 1; 0 the payload is not of the plain shape (hashed mode),
+ * ``out`` as it was; -1 out of memory. */
+static int
+frame_apply(const Apply *a, const double *times, int hashed, uint64_t seed, Out *out, Out *pl, Out *toks)
+{
+    const unsigned char *payload = (const unsigned char *)a->payload;
+    size_t payload_n = (size_t)a->payload_n;
+    if (hashed) {
+        pl->len = 0;
+        int st = strip_batch(payload, payload_n, pl, toks, seed);
+        if (st <= 0)
+            return st;
+        payload = pl->buf;
+        payload_n = pl->len;
+    }
+    size_t at = out->len;
+    if (!room(out, 8))
+        return -1;
+    out->len += 8;
+    int ok = w_arr(out, 5) && w_int(out, a->op) && w_f64(out, a->wall) && w_arr(out, (uint32_t)a->nt);
+    for (size_t i = 0; ok && i < a->nt; i++)
+        ok = w_f64(out, times[a->t0 + i]);
+    ok = ok && w_arr(out, 5) && w_str(out, a->engine, (size_t)a->engine_n) && w_bin_head(out, payload_n) &&
+         put(out, payload, payload_n) && w_str(out, a->model, (size_t)a->model_n) &&
+         (a->has_rank ? w_int(out, a->dp_rank) : w_nil(out)) && (a->has_seq ? w_int(out, a->seq) : w_nil(out)) &&
+         w_arr(out, 2) && w_str(out, a->outcome, (size_t)a->outcome_n) && (a->has_ts ? w_f64(out, a->ts) : w_nil(out));
+    if (!ok)
+        return -1;
+    size_t n = out->len - at - 8;
+    put_le32(out->buf + at, (uint32_t)n);
+    put_le32(out->buf + at + 4, crc32_of(out->buf + at + 8, n));
+    return 1;
+}
+
+/* All of ``o`` to ``fd``: 0, or an errno. */
+static int
+write_all(int fd, Out *o)
+{
+    size_t done = 0;
+    while (done < o->len) {
+        ssize_t w = write(fd, o->buf + done, o->len - done);
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            return errno;
+        }
+        done += (size_t)w;
+    }
+    o->len = 0;
+    return 0;
+}
+
+/* Frames a run is written in: past this, what is built goes to the file (one buffer
+ * of the C allocator's, reused, whatever the run's length). */
+#define WRITE_AT (256 * 1024)
+
+PyDoc_STRVAR(frame_applies_doc,
+"frame_applies(records, start, hashed, seed, fd) -> (next, written)\n\n"
+"Write to file descriptor ``fd`` the frames of records[start:next], the longest run of\n"
+"applies from ``start`` this can encode (see the file's comment), made and written with\n"
+"the GIL released; ``written``: bytes. ``hashed``: each plain GPU store's token ids\n"
+"replaced by its block keys (xxh3-64, ``seed``). ``next`` is the index of the first\n"
+"record not framed (== start: the caller's). OSError when the write fails (what was\n"
+"written stays: a short frame at the end, which a reader reports as damage).");
+
+static PyObject *
+frame_applies(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || !PyList_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "frame_applies(records: list, start, hashed, seed, fd)");
+        return NULL;
+    }
+    PyObject *records = args[0];
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]);
+    int hashed = PyObject_IsTrue(args[2]);
+    long fdl = PyLong_AsLong(args[4]);
+    uint64_t seed;
+    if ((start == -1 && PyErr_Occurred()) || hashed < 0 || (fdl == -1 && PyErr_Occurred()))
+        return NULL;
+    if (fdl < 0 || fdl > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "fd must be an open file descriptor");
+        return NULL;
+    }
+    int fd = (int)fdl;
+    if (as_u64(args[3], &seed) <= 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_OverflowError, "seed must be in [0, 2**64)");
+        return NULL;
+    }
+    Py_ssize_t total = PyList_GET_SIZE(records);
+    if (start < 0 || start > total) {
+        PyErr_SetString(PyExc_IndexError, "start out of range");
+        return NULL;
+    }
+    Apply *as = total > start ? malloc(sizeof(Apply) * (size_t)(total - start)) : NULL;
+    double *times = NULL;
+    size_t nt = 0, tcap = 0;
+    Py_ssize_t n = 0;
+    while (as != NULL && start + n < total && read_apply(PyList_GET_ITEM(records, start + n), &as[n], &times, &nt, &tcap))
+        n++;
+    Out out = {0}, pl = {0}, toks = {0};
+    Py_ssize_t done = 0;
+    size_t written = 0;
+    int st = 1, err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (; done < n; done++) {
+        st = frame_apply(&as[done], times, hashed, seed, &out, &pl, &toks);
+        if (st <= 0)
+            break;
+        if (out.len >= WRITE_AT) {
+            size_t len = out.len;
+            if ((err = write_all(fd, &out)) != 0)
+                break;
+            written += len;
+        }
+    }
+    if (st >= 0 && err == 0 && out.len) {
+        size_t len = out.len;
+        if ((err = write_all(fd, &out)) == 0)
+            written += len;
+    }
+    Py_END_ALLOW_THREADS
+    PyObject *res = NULL;
+    if (err != 0) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+    }
+    else if (st < 0 || (total > start && as == NULL))
+        PyErr_NoMemory();
+    else
+        res = Py_BuildValue("(nn)", start + done, (Py_ssize_t)written);
+    free(as);
+    free(times);
+    free(out.buf);
+    free(pl.buf);
+    free(toks.buf);
+    return res;
+}
+
+PyDoc_STRVAR(frame_many_doc,
+"frame_many(bodies) -> bytes\n\n"
+"Each body (bytes) framed as recfile.frame frames it (length, crc32, body), all joined.");
+
+static PyObject *
+frame_many(PyObject *Py_UNUSED(mod), PyObject *bodies)
+{
+    if (!PyList_CheckExact(bodies)) {
+        PyErr_SetString(PyExc_TypeError, "frame_many(bodies: list[bytes])");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(bodies);
+    size_t size = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = PyList_GET_ITEM(bodies, i);
+        if (!PyBytes_CheckExact(b) || PyBytes_GET_SIZE(b) > 0xffffffffLL) {
+            PyErr_SetString(PyExc_TypeError, "frame_many: each body must be bytes under 4 GiB");
+            return NULL;
+        }
+        size += 8 + (size_t)PyBytes_GET_SIZE(b);
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)size);
+    if (out == NULL)
+        return NULL;
+    unsigned char *o = (unsigned char *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = PyList_GET_ITEM(bodies, i);
+        size_t len = (size_t)PyBytes_GET_SIZE(b);
+        put_le32(o, (uint32_t)len);
+        put_le32(o + 4, crc32_of((const unsigned char *)PyBytes_AS_STRING(b), len));
+        memcpy(o + 8, PyBytes_AS_STRING(b), len);
+        o += 8 + len;
+    }
+    return out;
+}
+
+KVI_HIDDEN PyMethodDef kvi_recframe_methods[] = {
+    {"frame_applies", (PyCFunction)(void (*)(void))frame_applies, METH_FASTCALL, frame_applies_doc},
+    {"frame_many", (PyCFunction)frame_many, METH_O, frame_many_doc},
+    {NULL, NULL, 0, NULL},
+};
