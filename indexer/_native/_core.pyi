@@ -338,6 +338,7 @@ class JournalCore:
     max_pending: int
     active: bool
     overflowed: bool
+    values: frozenset[type] | None
 
     def __init__(self, raw: Callable[[], float], max_pending: int = 1000000) -> None: ...
     def run(self, op: int, fn: Callable[..., Any], args: tuple[Any, ...], /) -> Any:

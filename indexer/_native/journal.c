@@ -19,6 +19,7 @@ typedef struct {
     PyObject *records; /* a collections.deque of records, taken by the writer thread */
     PyObject *append;  /* records.append */
     PyObject *raw;     /* the index's own clock */
+    PyObject *values;  /* a frozenset of types whose instances a record may untrack (untrack_graph), or NULL */
     Py_ssize_t max_pending;
     char active, overflowed;
     double *times; /* the clock readings of the calls running (nested ones after the outer's) */
@@ -61,6 +62,7 @@ jc_traverse(JournalCore *self, visitproc visit, void *arg)
     Py_VISIT(self->records);
     Py_VISIT(self->append);
     Py_VISIT(self->raw);
+    Py_VISIT(self->values);
     return 0;
 }
 
@@ -70,6 +72,7 @@ jc_clear(JournalCore *self)
     Py_CLEAR(self->records);
     Py_CLEAR(self->append);
     Py_CLEAR(self->raw);
+    Py_CLEAR(self->values);
     return 0;
 }
 
@@ -115,20 +118,74 @@ wall_now(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* A tuple whose items are all atomic (str, bytes, numbers, None) cannot be in a cycle:
- * the collector untracks such tuples itself when it meets them; this does it now. */
+/* Untracking a record's values.
+ *
+ * A record holds its call's arguments and result until the writer takes it (up to
+ * flush_s, 0.2 s). The ones a query hands over are small graphs of containers (a key
+ * source and its chunks of keys, the answer's tuples, lists and dicts): while they wait,
+ * the cyclic collector walked each of them at every collection of the generations they
+ * were promoted through, which slowed a loop of queries by half (bench_record.py). None
+ * of them can be part of a cycle: they are values made by the call, referring to
+ * strings, bytes, numbers and each other, never back. So they are untracked here, as
+ * the collector itself untracks a tuple of atomic values when it meets one; they are
+ * freed by their reference counts as ever.
+ *
+ * What is untracked, once all its referents are: a tuple (immutable); a list or a dict
+ * referred to by nothing but the record's graph (reference count 1: never the caller's
+ * own, which it may yet link into a cycle); an instance of a type in ``values`` (the
+ * index's key source, made per query and never handed out). At most UNTRACK_MAX objects
+ * a record are visited, UNTRACK_DEPTH deep. */
+#define UNTRACK_DEPTH 12
+#define UNTRACK_MAX 1024
+
+typedef struct {
+    PyObject *values; /* a frozenset of types, or NULL */
+    int budget, depth, blocked;
+} Untrack;
+
+static int untrack_child(PyObject *o, void *arg);
+
 static void
-untrack_atomic(PyObject *t)
+untrack_graph(PyObject *o, Untrack *u)
 {
-    if (!PyTuple_CheckExact(t) || !PyObject_GC_IsTracked(t))
+    if (!PyObject_IS_GC(o) || !PyObject_GC_IsTracked(o) || PyType_Check(o)) {
         return;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(t); i++) {
-        PyObject *x = PyTuple_GET_ITEM(t, i);
-        if (!(PyUnicode_CheckExact(x) || PyBytes_CheckExact(x) || PyLong_CheckExact(x) || PyFloat_CheckExact(x) ||
-              x == Py_None || PyBool_Check(x)))
-            return;
     }
-    PyObject_GC_UnTrack(t);
+    PyTypeObject *tp = Py_TYPE(o);
+    int ok = PyTuple_Check(o) ||
+             ((PyList_CheckExact(o) || PyDict_CheckExact(o)) && Py_REFCNT(o) == 1) ||
+             (u->values != NULL && PyAnySet_Check(u->values) && PySet_Contains(u->values, (PyObject *)tp) == 1);
+    if (!ok || u->depth >= UNTRACK_DEPTH || --u->budget < 0 || tp->tp_traverse == NULL) {
+        u->blocked = 1;
+        return;
+    }
+    int outer = u->blocked;
+    u->blocked = 0;
+    u->depth++;
+    tp->tp_traverse(o, untrack_child, u);
+    u->depth--;
+    if (!u->blocked)
+        PyObject_GC_UnTrack(o);
+    u->blocked |= outer;
+}
+
+static int
+untrack_child(PyObject *o, void *arg)
+{
+    Untrack *u = arg;
+    if (o == NULL || PyType_Check(o)) /* an instance's own type: not a value of the record */
+        return 0;
+    untrack_graph(o, u);
+    if (PyObject_IS_GC(o) && PyObject_GC_IsTracked(o))
+        u->blocked = 1;
+    return 0;
+}
+
+static void
+untrack_values(JournalCore *self, PyObject *o)
+{
+    Untrack u = {self->values, UNTRACK_MAX, 0, 0};
+    untrack_graph(o, &u);
 }
 
 static PyObject *
@@ -211,8 +268,8 @@ jc_run(JournalCore *self, PyObject *const *args, Py_ssize_t nargs)
     PyTuple_SET_ITEM(rec, 2, cargs);
     PyTuple_SET_ITEM(rec, 3, r);
     PyTuple_SET_ITEM(rec, 4, times);
-    untrack_atomic(cargs);
-    untrack_atomic(r);
+    untrack_values(self, cargs);
+    untrack_values(self, r);
     PyObject_GC_UnTrack(rec); /* holds a cycle only if its args or result do: they stay tracked then */
     PyObject *res = PyObject_CallOneArg(self->append, rec);
     Py_DECREF(rec);
@@ -234,6 +291,8 @@ static PyMethodDef jc_methods[] = {
 static PyMemberDef jc_members[] = {
     {"records", T_OBJECT, offsetof(JournalCore, records), READONLY, "the queue (a deque) the writer takes from"},
     {"raw", T_OBJECT, offsetof(JournalCore, raw), READONLY, "the index's own clock"},
+    {"values", T_OBJECT, offsetof(JournalCore, values), 0,
+     "a frozenset of types a record's values may be instances of and still be untracked (or None)"},
     {"max_pending", T_PYSSIZET, offsetof(JournalCore, max_pending), 0, "records queued at most"},
     {"active", T_BOOL, offsetof(JournalCore, active), 0, "a journaled call is running"},
     {"overflowed", T_BOOL, offsetof(JournalCore, overflowed), 0, "the writer fell max_pending records behind"},

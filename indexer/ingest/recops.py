@@ -98,7 +98,7 @@ def encode_call(op: int, args: tuple[Any, ...], result: Any, mode: str) -> list[
         return [engine, strip_payload(payload, mode), model, dp_rank, seq]
     if op == J.ROUTE:
         src, model, load, cands, scale, record, max_tokens, link, structs = args
-        bs = [b for b in src.cache]
+        bs = list(src.sizes or src.cache)
         return [_query(src, mode, bs), model,
                 None if load is None else {k: [v[0], v[1]] for k, v in load.items()},
                 None if cands is None else list(cands), scale, record, max_tokens,

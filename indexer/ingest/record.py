@@ -33,6 +33,7 @@ from indexer.ingest.recfile import MAGIC, frame, segment_name, segments
 from indexer.ingest.recops import encode_call, encode_result
 from indexer.ingest.recprivacy import MODES, strip_event
 from indexer.query.index import PrefixIndex
+from indexer.query.match import KeySource, _LazyKeys
 from indexer.store.flightstate import dump_flight
 from indexer.store.journal import APPLY, APPLY_SEQUENCED, Journal
 from indexer.store.snapshot import cut_locked, finish
@@ -55,6 +56,10 @@ _WRITE_BYTES = 8 << 20
 def _frames_py(bodies: list[bytes]) -> bytes:
     return b"".join(frame(b) for b in bodies)
 
+
+# What a query's record may hold and the journal untrack (journal.c: values made per
+# query, never handed out, never in a cycle).
+_VALUES = frozenset({KeySource, _LazyKeys})
 
 # The compiled framer (recframe.c) when built: the same frames, made with the GIL released.
 _frame_applies: Any = _core.frame_applies if _core is not None else None
@@ -134,6 +139,7 @@ class Recorder:
                 raise ValueError("this index is being recorded already")
             j = Journal(index._raw_clock, self._max_pending)
             j.on_restore = self._base_locked
+            j.values = _VALUES
             self.journal = j
             self.index = index
             index._rec = j

@@ -188,6 +188,8 @@ class Query(Prefixes):
             keys = chain.from_iterable(keys_for(bs))  # InFlight copies them into one array
             rid = inf.record(res.model, (engine, dp_rank), keys, ntok - held, decode,
                              predict=cached < ntok // bs)
+        if self._rec is not None and keys_for.__class__ is KeySource:
+            keys_for.settle()  # type: ignore[attr-defined]  # before the record reaches the writer
         return ranking, rid
 
     def set_tie_slot(self, slot: int, of: int) -> None:
@@ -314,7 +316,7 @@ class KeySource:
     size hashed as the walk asks (:class:`_LazyKeys`). Kept by a recording, which reads
     :attr:`cache` for the block sizes the query used."""
 
-    __slots__ = ("buf", "ntok", "lora_name", "cache_salt", "extra_keys", "cache")
+    __slots__ = ("buf", "ntok", "lora_name", "cache_salt", "extra_keys", "cache", "sizes")
 
     def __init__(self, token_ids: Sequence[int] | bytes, lora_name: str | None, cache_salt: str | None,
                  extra_keys: Sequence[Any] | None) -> None:
@@ -325,6 +327,14 @@ class KeySource:
         self.cache_salt = cache_salt
         self.extra_keys = extra_keys
         self.cache: dict[int, _LazyKeys] = {}
+        self.sizes: tuple[int, ...] = ()  # the block sizes asked, once settled
+
+    def settle(self) -> None:
+        """Keep which block sizes were asked (:attr:`sizes`) and let their hashed keys go:
+        a recording holds a route's key source until its writer takes it, and the keys
+        (an int object each) are what it does not need."""
+        self.sizes = tuple(self.cache)
+        self.cache = {}
 
     def seed(self, n: int) -> Any:
         """The key seed(s) of the prompt's first ``n`` blocks (its namespace, R-KEY-1)."""

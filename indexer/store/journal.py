@@ -72,9 +72,10 @@ class _PyJournalCore:
     """:class:`Journal`'s hot half in Python (``indexer/_native/journal.c`` is the compiled
     one, used when built): the queue, the clock wrapper and :meth:`run`."""
 
-    __slots__ = ("records", "times", "active", "raw", "max_pending", "overflowed")
+    __slots__ = ("records", "times", "active", "raw", "max_pending", "overflowed", "values")
 
     def __init__(self, raw: Callable[[], float], max_pending: int = 1_000_000) -> None:
+        self.values: frozenset[type] | None = None  # untracked by the compiled twin only (journal.c)
         self.records: deque[tuple[Any, ...]] = deque()
         self.times: list[float] = []
         self.active = False

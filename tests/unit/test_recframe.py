@@ -127,3 +127,41 @@ def test_frame_many_is_recfile_frame(tmp_path):
     assert core.frame_many([]) == b""
     with pytest.raises(TypeError):
         core.frame_many([b"x", "y"])
+
+
+def test_a_query_record_leaves_the_collector_nothing_to_walk_but_the_callers_own(tmp_path):
+    """The journal untracks the values a query hands its record (journal.c), never an
+    object the caller still holds: the caller's load map stays tracked, and so does the
+    arguments' tuple that holds it."""
+    import gc
+
+    from indexer.query.route import Load
+
+    idx = PrefixIndex(clock=FakeClock())
+    t = toks(0, 6, BS)
+    idx.apply_sequenced("e0", encode_batch([store(t, BS, 0, 6)]), seq=0)
+    rec = Recorder(str(tmp_path))
+    rec.attach(idx)
+    load = {"e0/0": Load(3, 1)}
+    idx.match_plain(bytes(__import__("array").array("I", t)), "default")
+    r = idx.route(t, load=load, max_tokens=8)
+    idx.route_done(r["request_id"])
+    records = [x for x in rec.journal.records if x[0] in (J.MATCH_PLAIN, J.ROUTE)]
+    assert [x[0] for x in records] == [J.MATCH_PLAIN, J.ROUTE]
+
+    def tracked(o, seen):
+        if id(o) in seen or isinstance(o, type):
+            return []
+        seen.add(id(o))
+        out = [o] if gc.is_tracked(o) else []
+        for x in gc.get_referents(o):
+            if not isinstance(x, type):
+                out += tracked(x, seen)
+        return out
+
+    for x in records:
+        left = [o for o in tracked(x, set())
+                if o is not load and o not in load.values() and not (isinstance(o, tuple) and load in o)]
+        assert left == [], (x[0], [type(o).__name__ for o in left])
+    assert gc.is_tracked(load)
+    rec.stop()
