@@ -189,7 +189,7 @@ class Query(Prefixes):
             rid = inf.record(res.model, (engine, dp_rank), keys, ntok - held, decode,
                              predict=cached < ntok // bs)
         if self._rec is not None and keys_for.__class__ is KeySource:
-            keys_for.settle()  # type: ignore[attr-defined]  # before the record reaches the writer
+            keys_for.settle()  # before the record reaches the writer
         return ranking, rid
 
     def set_tie_slot(self, slot: int, of: int) -> None:
