@@ -85,7 +85,7 @@ class Service:
     def _indexer(self, settings: Settings, index: PrefixIndex) -> Indexer:
         """The ZMQ ingest, started from the state dir's snapshot or a peer's when there
         is one (R-DUR-2); a snapshot that cannot be restored is counted and skipped."""
-        kw: dict[str, Any] = dict(index=index, replay_timeout_s=settings.replay_timeout_s,
+        kw: dict[str, Any] = dict(index=index, replay_timeout_s=settings.replay_timeout_s, rcvhwm=settings.rcvhwm,
                                   max_workers=settings.max_workers, endpoint_policy=settings.endpoint_policy(),
                                   metrics_interval_s=settings.metrics_interval_s)
         snap = self.state.initial()

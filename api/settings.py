@@ -87,6 +87,11 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         = 16 * 1024 * 1024
     replay_timeout_s: Annotated[float, Meta(description=(
         "seconds a replay may take before the worker is marked stale"))] = 5.0
+    # What a burst may queue in this process between a worker's socket and the tree:
+    # past it the engine keeps the backlog (its send queue, then its replay buffer).
+    rcvhwm: Annotated[int, Meta(description=(
+        "live batches queued per worker's socket before they are applied, at most (ZMQ RCVHWM); past it the "
+        "engine holds the backlog and a batch it drops is replayed; 0 = no bound"))] = 64
     # 0 (the default): ready once ingest runs, so one unreachable engine never takes
     # the pod out of its Service; per-worker health is in /v1/workers and /metrics.
     ready_fraction: Annotated[float, Meta(description=(
@@ -219,6 +224,8 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         for name in ("max_orphans", "max_request_tokens", "max_request_bytes", "max_workers"):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.rcvhwm < 0:
+            bad("rcvhwm", f"must be >= 0 (0 = no bound), got {self.rcvhwm}")
         if self.max_nodes < 0:
             bad("max_nodes", f"must be >= 0 (0 = no cap), got {self.max_nodes}")
         for name in ("orphan_ttl_s", "replay_timeout_s"):

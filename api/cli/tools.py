@@ -121,7 +121,8 @@ def cmd_relay(args: argparse.Namespace) -> int:
     url = settings.nats_url or ""  # needs_nats checked it is set
     relay = Relay(settings.engines, url=url, stream=settings.nats_stream, subject=settings.nats_subject,
                   replay_timeout_s=settings.replay_timeout_s, max_workers=settings.max_workers,
-                  endpoint_policy=settings.endpoint_policy(), metrics_interval_s=settings.metrics_interval_s)
+                  rcvhwm=settings.rcvhwm, endpoint_policy=settings.endpoint_policy(),
+                  metrics_interval_s=settings.metrics_interval_s)
     from api.discovery import discovery_for
 
     discovery = discovery_for(settings, relay)

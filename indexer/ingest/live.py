@@ -130,7 +130,13 @@ class Indexer(ZmqTransport, Background, Queries):
         Live batches buffered per worker while it replays; beyond, the replay is
         abandoned (stale) rather than growing memory.
     rcvhwm:
-        SUB receive high-water mark in messages (vLLM's own PUB default is 100,000).
+        Live batches a worker's SUB socket queues before they are applied, at most (ZMQ
+        RCVHWM; 0 = no bound). What bounds the memory a burst takes between the socket
+        and the tree: past it ZMQ stops reading the connection, so the backlog waits in
+        the engine's PUB queue (vLLM's SNDHWM is 100,000), and what that queue drops is a
+        gap the sequencer replays from the engine's buffer (R-STR-2). With the old bound
+        of 1,000,000 a 1.5M-entry burst peaked at ~160 B/entry over ~73 settled; at 64,
+        ~77 (``benchmarks/bench_services.py``), at the same ingest rate.
     reconnect_ivl_ms, reconnect_ivl_max_ms:
         ZMQ's reconnect backoff for the live and replay sockets (first interval, cap). The
         cap bounds how late a new engine incarnation on the same ports is seen, and so how
@@ -165,7 +171,7 @@ class Indexer(ZmqTransport, Background, Queries):
         index: PrefixIndex | None = None,
         replay_timeout_s: float = 5.0,
         max_buffered: int = 100_000,
-        rcvhwm: int = 1_000_000,
+        rcvhwm: int = 64,
         max_workers: int = 2048,
         reconnect_ivl_ms: int = 100,
         reconnect_ivl_max_ms: int = 250,

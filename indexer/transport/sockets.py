@@ -42,11 +42,12 @@ __all__ = ["ZmqTransport"]
 def _malloc_trim() -> Any:
     """glibc's ``malloc_trim`` (None elsewhere).
 
-    Why: a burst of batches arriving faster than they apply queues them in ZMQ's
-    receive pipes (tens of MB at 10^6 entries); once applied, glibc keeps those freed
-    pages in its arenas, so the process's RSS stayed near twice the index itself
-    (1.5M entries: 185 B per entry against 85 B after a trim; benchmarks/bench_services.py).
-    Trimming hands them back to the OS. ctypes releases the GIL during the call."""
+    Why: what a burst allocates on its way to the tree (the frames ZMQ's I/O thread
+    reads, the bytes handed to the decoder, a replay's answers) is freed once applied,
+    and glibc keeps those pages in its arenas. With the live queues unbounded that kept
+    RSS near twice the index itself (1.5M entries: 185 B per entry against 85 B after a
+    trim; benchmarks/bench_services.py); with them bounded (``rcvhwm``) the trim still
+    returns a replay's and a burst's leftovers. ctypes releases the GIL during the call."""
     import ctypes
     import ctypes.util
     import sys
@@ -166,6 +167,9 @@ class ZmqTransport:
         except zmq.ZMQError:
             return  # as a failed connect below: gaps of this worker then make it stale
         d.setsockopt(zmq.LINGER, 0)
+        # Unbounded, unlike the SUB: vLLM's ROUTER keeps ZMQ's default send high-water mark
+        # (1,000) and drops past it, so a replay must drain as fast as it comes or it fails
+        # (stale). What it can bring is bounded by the engine's replay buffer (buffer_steps).
         d.setsockopt(zmq.RCVHWM, 0)
         d.setsockopt(zmq.RECONNECT_IVL, self.reconnect_ivl_ms)
         d.setsockopt(zmq.RECONNECT_IVL_MAX, self.reconnect_ivl_max_ms)

@@ -59,6 +59,7 @@ def test_sources_merge_in_order_file_env_flags(tmp_path):
     ({"stale_factor": 2}, "'stale_factor'"),
     ({"log_level": "loud"}, "'log_level'"),
     ({"max_request_tokens": 0}, "'max_request_tokens': must be >= 1"),
+    ({"rcvhwm": -1}, "'rcvhwm': must be >= 0"),
     ({"credits": {"GPU": -1}}, "'credits'"),
     ({"engines": [{"id": "a", "endpoint": "udp://h:1"}]}, "endpoint"),
     ({"engines": [{"id": "a", "endpoint": "tcp://h:1"}, {"id": "a", "endpoint": "tcp://h:2"}]}, "configured twice"),
