@@ -120,8 +120,10 @@ def service(args) -> None:
                         else:
                             os.environ[k] = v
                 bs.warm_memory(w.entries)
+                cpu0 = bs.tree_cpu(srv.pid)
                 secs = bs.ingest(c, pubs, w, "/query")
                 figs[kind].setdefault("ingest", []).append(w.entries / secs)
+                figs[kind].setdefault("cpu", []).append((bs.tree_cpu(srv.pid) - cpu0) / w.entries * 1e6)
                 live[kind] = (c, "/query")
                 print(f"[run {r + 1} {kind:3}] ingest {w.entries / secs:,.0f} blocks/s", flush=True)
             for name, path, req in (("query", "/query", body), ("route", "/v1/route", route)):
@@ -132,23 +134,25 @@ def service(args) -> None:
             written.append(sum(f.stat().st_size for f in Path(d).rglob("*") if f.is_file()))
     rows = []
     for key, what, unit in (("ingest", "ingest, 8 engines over ZMQ", "blocks/s"),
+                            ("cpu", "server CPU during the ingest (all threads)", "us/block"),
                             ("query_med", "/query 1,024 tokens, median", "us"),
                             ("query_p99", "/query 1,024 tokens, p99", "us"),
                             ("route_med", "/v1/route 1,024 tokens, median", "us"),
                             ("route_p99", "/v1/route 1,024 tokens, p99", "us")):
-        rows.append(_row(figs["off"][key], figs["on"][key], what, unit, key == "ingest"))
+        rows.append(_row(figs["off"][key], figs["on"][key], what, unit, key == "ingest", 3 if key == "cpu" else 1))
     print(table(["figure", "unit", "not recorded: median (min-max)", f"recorded ({args.tokens})", "cost"], rows,
                 title=f"## serve, {w.entries:,} entries, {args.calls:,} calls a route, {args.runs} runs each"))
     print(f"\nrecorded {spread(written)['median'] / 1e6:.1f} MB a run (median)")
 
 
-def _row(off_xs: list[float], on_xs: list[float], what: str, unit: str, higher_better: bool) -> list:
+def _row(off_xs: list[float], on_xs: list[float], what: str, unit: str, higher_better: bool, digits: int = 1) -> list:
     off, on = spread(off_xs), spread(on_xs)
     cost = (on["median"] - off["median"]) / off["median"] * 100
     if higher_better:
         cost = -cost  # lower throughput is the cost
-    return [what, unit, f"{off['median']:.1f} ({off['min']:.1f}-{off['max']:.1f})",
-            f"{on['median']:.1f} ({on['min']:.1f}-{on['max']:.1f})", f"{cost:+.1f}%"]
+    f = f".{digits}f"
+    return [what, unit, f"{off['median']:{f}} ({off['min']:{f}}-{off['max']:{f}})",
+            f"{on['median']:{f}} ({on['min']:{f}}-{on['max']:{f}})", f"{cost:+.1f}%"]
 
 
 def main() -> None:

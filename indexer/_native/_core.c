@@ -78,7 +78,6 @@ PyInit__core(void)
     for (size_t i = 0; i < sizeof tables / sizeof tables[0]; i++)
         if (PyModule_AddFunctions(mod, tables[i]) < 0)
             goto fail;
-    kvi_recframe_init();
     kvi_ZERO = PyLong_FromLong(0);
     kvi_GPU_NAME = PyUnicode_InternFromString("GPU");
     if (kvi_ZERO == NULL || kvi_GPU_NAME == NULL)

@@ -146,6 +146,10 @@ answers(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
         PyObject *group_items = gtrip ? PyTuple_Pack(1, gtrip) : NULL;
         PyObject *negw = PyFloat_FromDouble(-w), *negws = PyFloat_FromDouble(-w * sf);
         PyObject *negt = PyLong_FromSsize_t(-g), *tokens = PyLong_FromSsize_t(g * bs);
+        untrack_atomic(pair);
+        untrack_atomic(tier_items);
+        untrack_atomic(gtrip);
+        untrack_atomic(group_items);
         Py_XDECREF(pair);
         Py_XDECREF(gtrip);
         int ok = group_items && negw && negws && negt && tokens;
@@ -166,6 +170,10 @@ answers(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
                 Py_INCREF(items[j]);
                 PyTuple_SET_ITEM(t, j, items[j]);
             }
+            /* Its items are numbers, strings and the tuples above; the row's freshness
+             * tuple decides (untracked once the collector, or a recording, has met it). */
+            if (!PyObject_GC_IsTracked(fresh))
+                PyObject_GC_UnTrack(t);
             if (PyList_Append(out, t) < 0)
                 ok = 0;
             Py_DECREF(t);

@@ -64,6 +64,23 @@ extern KVI_HIDDEN PyObject *kvi_DEAD;     /* the sentinel parent of freed nodes;
 extern KVI_HIDDEN PyObject *kvi_ZERO;     /* 0, a new node's GPU mask */
 extern KVI_HIDDEN PyObject *kvi_GPU_NAME; /* "GPU", interned */
 
+/* A tuple whose items are all untracked by the cyclic collector (strings, numbers,
+ * such tuples) cannot be in a cycle: untracked now, as the collector would itself at its
+ * next pass, so it never walks the answers a query builds (or a recording keeps).
+ * NULL or anything else: nothing. */
+static inline void
+untrack_atomic(PyObject *t)
+{
+    if (t == NULL || !PyTuple_Check(t) || !PyObject_GC_IsTracked(t))
+        return;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(t); i++) {
+        PyObject *x = PyTuple_GET_ITEM(t, i);
+        if (PyObject_IS_GC(x) && PyObject_GC_IsTracked(x))
+            return;
+    }
+    PyObject_GC_UnTrack(t);
+}
+
 /* Keys are hashes already, but tests and some engines send small ints: mix. */
 static inline uint64_t
 mix64(uint64_t x)
@@ -91,8 +108,12 @@ be(const unsigned char *p, int n)
 static inline void
 put_le64(unsigned char *o, uint64_t v)
 {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    memcpy(o, &v, 8); /* one store: GCC -O2 kept the byte loop below a loop (scan_gpu_batch's hashes, a recording's keys) */
+#else
     for (int i = 0; i < 8; i++)
         o[i] = (unsigned char)(v >> (8 * i));
+#endif
 }
 
 static inline uint32_t
@@ -305,7 +326,6 @@ extern KVI_HIDDEN PyMethodDef kvi_tree_methods[];
 extern KVI_HIDDEN PyMethodDef kvi_keys_methods[];
 extern KVI_HIDDEN PyMethodDef kvi_events_methods[];
 extern KVI_HIDDEN PyMethodDef kvi_recframe_methods[];
-KVI_HIDDEN void kvi_recframe_init(void); /* recframe.c: its crc32 table, made at import */
 extern KVI_HIDDEN PyMethodDef kvi_snapshot_methods[];
 extern KVI_HIDDEN PyMethodDef kvi_answers_methods[];
 extern KVI_HIDDEN PyMethodDef kvi_ranking_methods[];

@@ -1,5 +1,5 @@
-/* recframe.c: a recording's frames (indexer/ingest/recfile.py: length, crc32, msgpack
- * body) made here, most of it without the GIL.
+/* recframe.c: a recording's frames (indexer/ingest/recfile.py: length, checksum,
+ * msgpack body) made here, most of it without the GIL.
  *
  * Why: the recording's writer thread shares the GIL with the thread that applies
  * batches and answers queries. In Python, a batch's record (its token ids cut out and
@@ -29,39 +29,15 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-/* ------------------------------------------------------------------ crc32 */
+/* ------------------------------------------------------------------ checksum */
 
-/* zlib's crc32 (reflected polynomial 0xEDB88320), eight bytes a step. */
-static uint32_t crc_tab[8][256];
-
-KVI_HIDDEN void
-kvi_recframe_init(void)
-{
-    for (uint32_t i = 0; i < 256; i++) {
-        uint32_t c = i;
-        for (int k = 0; k < 8; k++)
-            c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-        crc_tab[0][i] = c;
-    }
-    for (uint32_t i = 0; i < 256; i++)
-        for (int t = 1; t < 8; t++)
-            crc_tab[t][i] = (crc_tab[t - 1][i] >> 8) ^ crc_tab[0][crc_tab[t - 1][i] & 0xff];
-}
-
+/* A frame's checksum (recfile.py, KVIREC2): the low 32 bits of the body's xxh3-64,
+ * seed 0. It was zlib's crc32 (KVIREC1), a quarter of this file's time per batch; xxh3
+ * checks a 1.3 KB body ~10x faster, and Python reads it with the xxhash package. */
 static uint32_t
-crc32_of(const unsigned char *p, size_t n)
+checksum(const unsigned char *p, size_t n)
 {
-    uint32_t c = 0xFFFFFFFFu;
-    while (n >= 8) {
-        uint32_t lo = c ^ ((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24);
-        c = crc_tab[7][lo & 0xff] ^ crc_tab[6][(lo >> 8) & 0xff] ^ crc_tab[5][(lo >> 16) & 0xff] ^
-            crc_tab[4][lo >> 24] ^ crc_tab[3][p[4]] ^ crc_tab[2][p[5]] ^ crc_tab[1][p[6]] ^ crc_tab[0][p[7]];
-        p += 8;
-        n -= 8;
-    }
-    while (n--)
-        c = crc_tab[0][(c ^ *p++) & 0xff] ^ (c >> 8);
-    return c ^ 0xFFFFFFFFu;
+    return (uint32_t)kvi_xxh3_64(p, n, 0);
 }
 
 /* ------------------------------------------------------------------ output */
@@ -434,7 +410,7 @@ frame_apply(const Apply *a, const double *times, int hashed, uint64_t seed, Out 
         return -1;
     size_t n = out->len - at - 8;
     put_le32(out->buf + at, (uint32_t)n);
-    put_le32(out->buf + at + 4, crc32_of(out->buf + at + 8, n));
+    put_le32(out->buf + at + 4, checksum(out->buf + at + 8, n));
     return 1;
 }
 
@@ -545,7 +521,7 @@ frame_applies(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
 
 PyDoc_STRVAR(frame_many_doc,
 "frame_many(bodies) -> bytes\n\n"
-"Each body (bytes) framed as recfile.frame frames it (length, crc32, body), all joined.");
+"Each body (bytes) framed as recfile.frame frames it (length, checksum, body), all joined.");
 
 static PyObject *
 frame_many(PyObject *Py_UNUSED(mod), PyObject *bodies)
@@ -572,7 +548,7 @@ frame_many(PyObject *Py_UNUSED(mod), PyObject *bodies)
         PyObject *b = PyList_GET_ITEM(bodies, i);
         size_t len = (size_t)PyBytes_GET_SIZE(b);
         put_le32(o, (uint32_t)len);
-        put_le32(o + 4, crc32_of((const unsigned char *)PyBytes_AS_STRING(b), len));
+        put_le32(o + 4, checksum((const unsigned char *)PyBytes_AS_STRING(b), len));
         memcpy(o + 8, PyBytes_AS_STRING(b), len);
         o += 8 + len;
     }

@@ -4,10 +4,12 @@
 A recording is a directory of segments ``seg-<n>-<unix ms>.kvr``, ``n`` growing from 0
 (the newest segment has the highest ``n``). Each segment is::
 
-    magic  b"KVIREC1\\n"                                 8 bytes
-    frames, each:  length (uint32 LE) | crc32 of the body (uint32 LE) | body
+    magic  b"KVIREC2\\n"                                 8 bytes
+    frames, each:  length (uint32 LE) | checksum of the body (uint32 LE) | body
 
-and a body is one msgpack record. A segment's first record is its *base* (the index's
+and a body is one msgpack record. The checksum is the low 32 bits of the body's xxh3-64
+(seed 0); segments of the first format (magic ``KVIREC1``) carry zlib's crc32 there and
+are read as well. A segment's first record is its *base* (the index's
 whole state at the cut), so any segment, and every segment after it, replays on its own:
 the oldest segments can be deleted (rotation) without the rest losing anything.
 
@@ -23,14 +25,16 @@ import os
 import re
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import msgspec
+import xxhash
 
-__all__ = ["MAGIC", "Damage", "frame", "read_segment", "segment_name", "segments"]
+__all__ = ["MAGIC", "Damage", "checksum", "frame", "read_segment", "segment_name", "segments"]
 
-MAGIC = b"KVIREC1\n"
+MAGIC = b"KVIREC2\n"
+_MAGIC_CRC32 = b"KVIREC1\n"  # the first format: frames checked by zlib's crc32
 _HEAD = struct.Struct("<II")
 MAX_RECORD = 1 << 30  # a length beyond this is damage, not a record
 _NAME = re.compile(r"^seg-(\d{8,})-(\d+)\.kvr$")
@@ -48,9 +52,14 @@ class Damage(NamedTuple):
         return f"{self.path}: damaged at byte offset {self.offset}: {self.reason}"
 
 
+def checksum(body: bytes) -> int:
+    """A frame's checksum: the low 32 bits of the body's xxh3-64 (seed 0)."""
+    return xxhash.xxh3_64_intdigest(body) & 0xFFFFFFFF
+
+
 def frame(body: bytes) -> bytes:
-    """One record's frame: length, crc32, body."""
-    return _HEAD.pack(len(body), zlib.crc32(body)) + body
+    """One record's frame: length, checksum, body."""
+    return _HEAD.pack(len(body), checksum(body)) + body
 
 
 def segment_name(n: int, wall_ms: int) -> str:
@@ -75,7 +84,12 @@ def read_segment(path: str) -> Iterator[tuple[int, Any] | Damage]:
     is complete: a partial last frame is reported as damage (truncated)."""
     with open(path, "rb") as f:
         data = f.read()
-    if data[:len(MAGIC)] != MAGIC:
+    check: Callable[[bytes], int]
+    if data[:len(MAGIC)] == MAGIC:
+        check, what = checksum, "checksum"
+    elif data[:len(_MAGIC_CRC32)] == _MAGIC_CRC32:
+        check, what = zlib.crc32, "crc32"
+    else:
         yield Damage(path, 0, "not a kv-indexer recording segment (bad magic)")
         return
     off = len(MAGIC)
@@ -92,8 +106,8 @@ def read_segment(path: str) -> Iterator[tuple[int, Any] | Damage]:
         if len(body) < n:
             yield Damage(path, off, f"truncated: the record says {n} bytes, {len(body)} are there")
             return
-        if zlib.crc32(body) != crc:
-            yield Damage(path, off, "corrupt: the record's crc32 does not match")
+        if check(body) != crc:
+            yield Damage(path, off, f"corrupt: the record's {what} does not match")
             return
         try:
             rec = _dec.decode(body)

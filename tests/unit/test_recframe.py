@@ -1,17 +1,17 @@
 """The compiled framer of a recording's applies (recframe.c) against the Python encoder
 it stands in for (``Recorder._encode`` and ``recfile.frame``): the same records, byte for
 byte where both keep a payload, over plain GPU batches and every shape it must leave to
-Python (docs/record.md, R-REC rules). The reference is zlib's crc32 and msgspec's
+Python (docs/record.md). The references are the xxhash package's xxh3-64 and msgspec's
 decoder, not the framer's own code."""
 
 from __future__ import annotations
 
 import random
 import struct
-import zlib
 
 import msgspec
 import pytest
+import xxhash
 
 from evkit import FakeClock, removed, store, toks
 from indexer import PrefixIndex
@@ -28,13 +28,13 @@ BS = 4
 
 
 def _unframe(data: bytes) -> list:
-    """Frames as recfile documents them, read with zlib's crc32 as the check."""
+    """Frames as recfile documents them: the check is the low 32 bits of xxh3-64."""
     out, pos = [], 0
     while pos < len(data):
         n, crc = struct.unpack_from("<II", data, pos)
         body = data[pos + 8 : pos + 8 + n]
         assert len(body) == n
-        assert zlib.crc32(body) == crc
+        assert xxhash.xxh3_64_intdigest(body) & 0xFFFFFFFF == crc
         out.append(body)
         pos += 8 + n
     return out

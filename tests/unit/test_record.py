@@ -247,3 +247,36 @@ def test_age_cap_drops_segments_older_than_it(tmp_path):
     assert [n for n, _, _ in segments(str(tmp_path))] == [3, 4]
     rec.stop()
     assert replay(str(tmp_path)).mismatch is None
+
+
+def test_a_segment_of_the_first_format_replays(tmp_path):
+    """Segments written with zlib's crc32 (magic KVIREC1) still read: the same recording,
+    its frames checked by crc32 instead, replays to the same calls; a bad crc32 is damage."""
+    import struct
+    import zlib
+    from pathlib import Path
+
+    from indexer.ingest.recfile import MAGIC
+
+    _record(tmp_path / "new", "hashed")
+    want = replay(str(tmp_path / "new"))
+    assert want.mismatch is None and want.reproduced > 0
+    (tmp_path / "old").mkdir()
+    for _, _, path in segments(str(tmp_path / "new")):
+        data = Path(path).read_bytes()
+        assert data.startswith(MAGIC)
+        out, off = [b"KVIREC1\n"], len(MAGIC)
+        while off < len(data):
+            n, _ = struct.unpack_from("<II", data, off)
+            body = data[off + 8 : off + 8 + n]
+            out.append(struct.pack("<II", n, zlib.crc32(body)) + body)
+            off += 8 + n
+        (tmp_path / "old" / os.path.basename(path)).write_bytes(b"".join(out))
+    got = replay(str(tmp_path / "old"))
+    assert got.mismatch is None and not got.damage
+    assert (got.calls, got.reproduced) == (want.calls, want.reproduced)
+    first = segments(str(tmp_path / "old"))[0][2]
+    data = bytearray(Path(first).read_bytes())
+    data[12] ^= 0xFF  # the first frame's crc32
+    Path(first).write_bytes(bytes(data))
+    assert "crc32 does not match" in replay(str(tmp_path / "old")).damage[0].reason
