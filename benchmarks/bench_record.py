@@ -105,7 +105,7 @@ def service(args) -> None:
     figs: dict[str, dict[str, list[float]]] = {"off": {}, "on": {}}
     written = []
     for r in range(args.runs):
-        with tempfile.TemporaryDirectory(prefix="kvi-bench-rec-") as d, bs.ExitStack() as up:
+        with tempfile.TemporaryDirectory(prefix="kvi-bench-rec-", dir=args.dir) as d, bs.ExitStack() as up:
             live: dict[str, tuple] = {}
             for kind in (("off", "on") if r % 2 == 0 else ("on", "off")):
                 env = {"KVI_RECORD_DIR": d, "KVI_RECORD_TOKENS": args.tokens} if kind == "on" else {}
@@ -166,6 +166,7 @@ def main() -> None:
     ap.add_argument("--service", action="store_true", help="measure two serve processes instead (see above)")
     ap.add_argument("--entries", type=int, default=1_000_000, help="--service: resident entries ingested")
     ap.add_argument("--calls", type=int, default=4000, help="--service: timed calls per route")
+    ap.add_argument("--dir", default=None, help="--service: where the recording goes (default: the temp dir)")
     args = ap.parse_args()
     if args.service:
         header("recording cost: the service's ingest and query latency, recorded vs not", args)

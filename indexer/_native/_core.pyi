@@ -339,6 +339,8 @@ class JournalCore:
     active: bool
     overflowed: bool
     values: frozenset[type] | None
+    wake: Callable[[], Any] | None
+    wake_every: int
 
     def __init__(self, raw: Callable[[], float], max_pending: int = 1000000) -> None: ...
     def run(self, op: int, fn: Callable[..., Any], args: tuple[Any, ...], /) -> Any:

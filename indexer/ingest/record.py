@@ -83,13 +83,16 @@ class Recorder:
         the payloads' token ids (:mod:`.recprivacy`).
     flush_s:
         How often the writer wakes to write what was queued.
+    wake_every:
+        And it is woken every this many records queued (a burst is written as it comes:
+        its payloads are not held long).
     max_pending:
         Records queued at most while the writer is behind; beyond, the recording stops.
     """
 
     def __init__(self, directory: str, *, max_bytes: int = 1 << 30, max_age_s: float = 0.0,
                  segment_bytes: int = 64 << 20, segment_s: float = 600.0, tokens: str = "hashed",
-                 flush_s: float = 0.2, max_pending: int = 1_000_000) -> None:
+                 flush_s: float = 0.2, max_pending: int = 1_000_000, wake_every: int = 1024) -> None:
         if tokens not in MODES:
             raise ValueError(f"tokens must be one of {', '.join(MODES)}, not {tokens!r}")
         if segment_bytes < 4096 or max_bytes < segment_bytes:
@@ -101,6 +104,7 @@ class Recorder:
         self.segment_s = float(segment_s)
         self.tokens = tokens
         self.flush_s = float(flush_s)
+        self.wake_every = max(1, int(wake_every))
         self.journal: Journal | None = None
         self.index: PrefixIndex | None = None
         self._max_pending = int(max_pending)
@@ -180,9 +184,14 @@ class Recorder:
     # ------------------------------------------------------------------ the writer
 
     def start(self) -> None:
-        """Start the writer thread."""
+        """Start the writer thread: woken every ``flush_s``, and every ``wake_every``
+        records queued (journal.c says why)."""
         if self._thread is None:
             self._halt = False
+            j = self.journal
+            if j is not None:
+                j.wake = self._wake.set
+                j.wake_every = self.wake_every
             self._thread = threading.Thread(target=self._run, name="kvidx-record", daemon=True)
             self._thread.start()
 

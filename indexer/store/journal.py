@@ -72,10 +72,15 @@ class _PyJournalCore:
     """:class:`Journal`'s hot half in Python (``indexer/_native/journal.c`` is the compiled
     one, used when built): the queue, the clock wrapper and :meth:`run`."""
 
-    __slots__ = ("records", "times", "active", "raw", "max_pending", "overflowed", "values")
+    __slots__ = ("records", "times", "active", "raw", "max_pending", "overflowed", "values", "wake", "wake_every",
+                 "since_wake")
 
     def __init__(self, raw: Callable[[], float], max_pending: int = 1_000_000) -> None:
         self.values: frozenset[type] | None = None  # untracked by the compiled twin only (journal.c)
+        # Called every wake_every records (the writer's event): journal.c says why.
+        self.wake: Callable[[], Any] | None = None
+        self.wake_every = 1024
+        self.since_wake = 0
         self.records: deque[tuple[Any, ...]] = deque()
         self.times: list[float] = []
         self.active = False
@@ -106,6 +111,10 @@ class _PyJournalCore:
         q = self.records
         if len(q) < self.max_pending:
             q.append((op, _wall(), args, r, tuple(times)))
+            self.since_wake += 1
+            if self.since_wake >= self.wake_every and self.wake is not None:
+                self.since_wake = 0
+                self.wake()
         else:
             self.overflowed = True
         return r
