@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from indexer.query.route import RouteResponse
+from indexer.query.route import RouteBody, RouteResponse
 
 STATIC = Path(__file__).with_name("static")
 # The page's files: path -> (file, content type). Static, holding no data: served
@@ -59,15 +59,16 @@ class Decisions:
     def __init__(self, size: int = DECISIONS) -> None:
         self.ring: deque[tuple] = deque(maxlen=size)
 
-    def add(self, t0: float, ntok: int, out: dict | RouteResponse) -> None:
+    def add(self, t0: float, ntok: int, out: dict | RouteResponse | RouteBody) -> None:
         """Record one answer of ``indexer.query.route.route`` (``t0``: its perf_counter time):
-        the library's dict or the service's :class:`~indexer.query.route.RouteResponse`."""
-        if out.__class__ is RouteResponse:
-            r: Any = out
-            self.ring.append((t0, ntok, r.model, r.reason, r.tiers, r.ranked[:2], r.request_id))
-        else:
+        the library's dict, a :class:`~indexer.query.route.RouteResponse`, or the service's
+        :class:`~indexer.query.route.RouteBody` (its ``ranked``: the first two entries)."""
+        if out.__class__ is dict:
             d: Any = out
             self.ring.append((t0, ntok, d["model"], d["reason"], d["tiers"], d["ranked"][:2], d["request_id"]))
+        else:
+            r: Any = out
+            self.ring.append((t0, ntok, r.model, r.reason, r.tiers, r.ranked[:2], r.request_id))
 
     def since(self, t0: float) -> list[tuple]:
         """The decisions recorded after perf_counter time ``t0``, oldest first."""

@@ -10,7 +10,10 @@ holds whole (``full``):
 * ``busy``: ``--in-flight`` requests recorded first (random prompts on random workers:
   in-flight load on most of a large fleet); ``busy+load``: with the caller's load too;
 * each as a dry run (``route(record=False)``); ``busy`` also recorded (``route``), and
-  ``idle`` as the service asks it (``route_response``, when the checkout has it).
+  ``idle`` as the service asks it (``route_response``, when the checkout has it);
+* ``idle bytes``: the answer's JSON bytes as the service makes them (``route_body``, or
+  ``route_response`` encoded by msgspec in a checkout without it): the row to compare
+  across checkouts.
 
 ``--src DIR`` measures another checkout's ``indexer`` (a ``git worktree`` of the base
 commit, its compiled core built there). Alternate the two for the spread::
@@ -47,6 +50,7 @@ def main() -> None:
     args = ap.parse_args()
     # The measured tree first: --src, else this checkout (not whatever the venv installed).
     sys.path.insert(0, str(Path(args.src).resolve() if args.src else HERE.parent))
+    import msgspec  # noqa: PLC0415
     import indexer  # noqa: PLC0415
     from indexer.query.route import Load  # noqa: PLC0415
 
@@ -68,6 +72,7 @@ def main() -> None:
         return round(s["median_us"], 1), round(s["p99_us"], 1)
 
     src = str(Path(indexer.__file__).resolve().parent.parent)
+    enc = msgspec.json.Encoder()
     rows: dict[str, tuple[float, float]] = {}
     for n in (int(x) for x in args.workers.split(",")):
         p = wl.Params(workers=n, seqs=args.seqs)
@@ -80,6 +85,10 @@ def main() -> None:
         rows[f"{n} idle+load dry"] = timed(lambda: idx.route(q, record=False, load=load))
         if hasattr(idx, "route_response"):
             rows[f"{n} idle response"] = timed(lambda: idx.route_response(q, record=False))
+            if hasattr(idx, "route_body"):
+                rows[f"{n} idle bytes"] = timed(lambda: idx.route_body(q, record=False).body)
+            else:
+                rows[f"{n} idle bytes"] = timed(lambda: enc.encode(idx.route_response(q, record=False)))
         for _ in range(args.in_flight):
             idx.route([rng.randrange(2**31) for _ in range(1024)], candidates=[rng.choice(engines)])
         rows[f"{n} busy dry"] = timed(lambda: idx.route(q, record=False))

@@ -116,7 +116,7 @@ class Queries:
         self.check_tokens(q.token_ids)
         t0 = time.perf_counter()
         try:
-            out = self.index.route_response(
+            out = self.index.route_body(
                 q.token_ids, model=q.model, lora_name=q.lora_name,  # type: ignore[arg-type]  # set above
                 cache_salt=q.cache_salt,
                 load={k: Load(v.active_prefill_tokens, v.active_decode_blocks) for k, v in q.load.items()},
@@ -131,7 +131,7 @@ class Queries:
         self.metrics.observe("/v1/route", time.perf_counter() - t0, out.ranked[0].cached_blocks)
         toks: Any = q.token_ids  # list, or their uint32 bytes (the fast decode)
         self.decisions.add(t0, len(toks) >> 2 if toks.__class__ is bytes else len(toks), out)
-        return 200, out
+        return 200, out.body  # written by the index (route_body): msgspec's bytes for the same answer
 
     async def route_done(self, request_id: str) -> tuple[int, Any]:
         got = self.index.route_done(request_id)

@@ -73,7 +73,7 @@ PyInit__core(void)
     if (mod == NULL)
         return NULL;
     /* Each file's functions: the same names and docstrings as when one table held them. */
-    PyMethodDef *tables[] = {kvi_answers_methods, kvi_ranking_methods, kvi_keys_methods, kvi_events_methods,
+    PyMethodDef *tables[] = {kvi_answers_methods, kvi_ranking_methods, kvi_rankout_methods, kvi_keys_methods, kvi_events_methods,
                              kvi_tree_methods, kvi_snapshot_methods, kvi_recframe_methods};
     for (size_t i = 0; i < sizeof tables / sizeof tables[0]; i++)
         if (PyModule_AddFunctions(mod, tables[i]) < 0)

@@ -199,15 +199,23 @@ def rank(
     load_cls: type | None,
     slot: int,
     of: int,
+    keep: int | None,
     /,
-) -> tuple[list[Any], float, Any] | None:
+) -> tuple[Any, ...] | None:
     """A route's candidates ranked, best first: ``(entries, top score, the best one's
     match or None)``; load keys found are added to ``used``. Entries are dicts, or
     ``entry_cls(..., load_cls(...))``. Ties on cost and score are ordered for router
-    replica ``slot`` of ``of`` (``route._rotate_ties``). None when a value is one only
-    Python ranks exactly (a NaN, a load that is not an int below 2**53, ``of`` above
-    2**31, ...). Same as ``route._py_rank``.
+    replica ``slot`` of ``of`` (``route._rotate_ties``). With ``keep`` an int:
+    ``(the entries as msgspec's JSON bytes, top score, best match, the first keep
+    entries)``, no object made for the others. None when a value is one only Python
+    ranks (or msgspec writes) exactly (a NaN, a load that is not an int below 2**53,
+    ``of`` above 2**31, with ``keep`` a string JSON escapes, ...). Same as
+    ``route._py_rank``.
     """
+
+
+def json_double(x: float, /) -> bytes:
+    """``x`` as the route's JSON writer writes it: ``msgspec.json.encode(x)``."""
 
 
 @overload

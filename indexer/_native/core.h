@@ -19,6 +19,7 @@
  *   snapshot.c  a snapshot's columns: NodeIndex, dump_*, node_index, translate, load_*
  *   answers.c   the ranked answers of a GPU-only match
  *   ranking.c   a route's ranking of its candidates
+ *   rankout.c   a ranking written out: its entries as objects, or as the answer's JSON
  *   _core.c     the module: its method tables, types and objects put together
  */
 #ifndef KVI_CORE_H
@@ -329,5 +330,41 @@ extern KVI_HIDDEN PyMethodDef kvi_recframe_methods[];
 extern KVI_HIDDEN PyMethodDef kvi_snapshot_methods[];
 extern KVI_HIDDEN PyMethodDef kvi_answers_methods[];
 extern KVI_HIDDEN PyMethodDef kvi_ranking_methods[];
+extern KVI_HIDDEN PyMethodDef kvi_rankout_methods[];
+
+/* ------------------------------------------------- a route's ranking (ranking.c) */
+
+/* One candidate of a route as ranking.c weighs it, for rankout.c to write out: its sort
+ * key (never connected, cost, -score, engine, rank) and the other values of its entry.
+ * No Python object is made per candidate until the entry is written. */
+typedef struct {
+    int never;
+    double cost, negscore;
+    PyObject *engine; /* borrowed from the candidate, as rk (its rank) and st (stale) */
+    long long rank;
+    PyObject *rk, *st;
+    PyObject *wm;               /* borrowed from the match; NULL: nothing matched there */
+    PyObject *pb;               /* predicted blocks: borrowed from `pred`, or kvi_ZERO */
+    PyObject *ld0, *ld1, *conn; /* owned: the load weighed, the link's state now */
+    PyObject *src;              /* borrowed: "caller", "index" or the idle source */
+} KviCand;
+
+/* What the entries of one answer share (immutable objects made once): the last score and
+ * cost made, and an idle worker's load struct. Zeroed before, released by kvi_shared_clear. */
+typedef struct {
+    PyObject *last_score, *last_cost, *idle_ld;
+} KviShared;
+
+KVI_HIDDEN extern PyObject *kvi_src_caller, *kvi_src_index; /* "caller", "index", interned */
+KVI_HIDDEN int kvi_rankout_init(void);
+/* The entry of `c`: a dict, or entry_cls(..., load_cls(...)); a new reference, NULL on error. */
+KVI_HIDDEN PyObject *kvi_rank_entry(const KviCand *c, PyObject *entry_cls, PyObject *load_cls, PyObject *idle,
+                                    KviShared *sh);
+KVI_HIDDEN void kvi_shared_clear(KviShared *sh);
+/* "engine/rank" as f"{engine}/{rank}" makes it (r: rank's value); NULL on error. */
+KVI_HIDDEN PyObject *kvi_worker_name(PyObject *engine, PyObject *rank, long long r);
+/* The JSON array of the entries of cs[0..k), the bytes msgspec makes of them; NULL with
+ * no error set when a value is one only msgspec writes exactly (the caller declines). */
+KVI_HIDDEN PyObject *kvi_rank_json(const KviCand *cs, Py_ssize_t k);
 
 #endif /* KVI_CORE_H */

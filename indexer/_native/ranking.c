@@ -1,65 +1,10 @@
 /* ranking.c: a route's ranking of its candidates (query/route.py's _py_rank is the
- * reference), one pass with no Python frame per candidate: the cost of each, the
- * answer's entry (a dict, or the caller's struct classes), then one sort of C keys.
- * A large fleet lists hundreds of candidates in every answer; this is their loop. */
+ * reference), one pass with no Python frame per candidate: the cost of each into a C
+ * record (no object made), one sort of those, then the answer written out from them
+ * (rankout.c: the entries as objects, or as JSON). A large fleet lists hundreds of
+ * candidates in every answer; this is their loop. */
 #include "core.h"
 #include <math.h>
-
-/* Keys of an entry and of its "load", interned once: the dicts an answer lists are
- * copies of a template with these keys in the answer's order (a copy of a dict with
- * string keys clones its key table, no insertion and no resize per key). */
-static const char *const ENTRY_KEYS[] = {"worker", "engine", "dp_rank", "score", "cached_blocks",
-                                         "predicted_blocks", "cost", "stale", "connected", "load"};
-static const char *const LOAD_KEYS[] = {"prefill_tokens", "decode_blocks", "source"};
-#define N_ENTRY 10
-#define N_LOAD 3
-static PyObject *entry_keys[N_ENTRY], *load_keys[N_LOAD], *entry_tpl, *load_tpl, *src_caller, *src_index;
-
-static int
-init_templates(void)
-{
-    if (entry_tpl != NULL)
-        return 0;
-    PyObject *et = PyDict_New(), *lt = PyDict_New();
-    src_caller = src_caller ? src_caller : PyUnicode_InternFromString("caller");
-    src_index = src_index ? src_index : PyUnicode_InternFromString("index");
-    if (et == NULL || lt == NULL || src_caller == NULL || src_index == NULL)
-        goto fail;
-    for (int i = 0; i < N_ENTRY; i++) {
-        if (entry_keys[i] == NULL && (entry_keys[i] = PyUnicode_InternFromString(ENTRY_KEYS[i])) == NULL)
-            goto fail;
-        if (PyDict_SetItem(et, entry_keys[i], Py_None) < 0)
-            goto fail;
-    }
-    for (int i = 0; i < N_LOAD; i++) {
-        if (load_keys[i] == NULL && (load_keys[i] = PyUnicode_InternFromString(LOAD_KEYS[i])) == NULL)
-            goto fail;
-        if (PyDict_SetItem(lt, load_keys[i], Py_None) < 0)
-            goto fail;
-    }
-    entry_tpl = et;
-    load_tpl = lt;
-    return 0;
-fail:
-    Py_XDECREF(et);
-    Py_XDECREF(lt);
-    return -1;
-}
-
-/* A dict with `keys` (the template's, in its order) set to `vals`; NULL on error. */
-static PyObject *
-filled(PyObject *tpl, PyObject *const *keys, PyObject *const *vals, int n)
-{
-    PyObject *d = PyDict_Copy(tpl);
-    if (d == NULL)
-        return NULL;
-    for (int i = 0; i < n; i++)
-        if (PyDict_SetItem(d, keys[i], vals[i]) < 0) {
-            Py_DECREF(d);
-            return NULL;
-        }
-    return d;
-}
 
 /* Exactly representable in a double: what Python's int + float does without loss. */
 #define EXACT (1LL << 53)
@@ -103,55 +48,6 @@ floordiv(long long a, long long b)
     if (a % b != 0 && ((a < 0) != (b < 0)))
         q--;
     return q;
-}
-
-/* "engine/rank" as f"{engine}/{rank}" makes it. */
-static PyObject *
-worker_name(PyObject *engine, PyObject *rank, long long r)
-{
-    if (r < 0 || !PyUnicode_IS_ASCII(engine))
-        return PyUnicode_FromFormat("%U/%S", engine, rank);
-    char digits[24];
-    int nd = 0;
-    do { /* the digits backwards, then in place */
-        digits[nd++] = (char)('0' + r % 10);
-        r /= 10;
-    } while (r);
-    for (int i = 0; i < nd / 2; i++) {
-        char t = digits[i];
-        digits[i] = digits[nd - 1 - i];
-        digits[nd - 1 - i] = t;
-    }
-    Py_ssize_t ne = PyUnicode_GET_LENGTH(engine);
-    PyObject *s = PyUnicode_New(ne + 1 + nd, 127);
-    if (s == NULL)
-        return NULL;
-    char *p = (char *)PyUnicode_DATA(s);
-    memcpy(p, PyUnicode_DATA(engine), (size_t)ne);
-    p[ne] = '/';
-    memcpy(p + ne + 1, digits, (size_t)nd);
-    return s;
-}
-
-/* A float of value v (bit for bit): *last when it is one, else a new one kept in *last.
- * Floats are immutable and a fleet's scores and costs repeat (every worker holding the
- * same prefix, idle): the entries share them. A new reference; NULL on error. */
-static PyObject *
-same_float(double v, PyObject **last)
-{
-    if (*last != NULL) {
-        double w = PyFloat_AS_DOUBLE(*last);
-        if (memcmp(&v, &w, sizeof v) == 0) {
-            Py_INCREF(*last);
-            return *last;
-        }
-    }
-    PyObject *f = PyFloat_FromDouble(v);
-    if (f != NULL) {
-        Py_XSETREF(*last, f);
-        Py_INCREF(f);
-    }
-    return f;
 }
 
 /* Item i of a sequence (a tuple without a call): a new reference, NULL on error. */
@@ -208,15 +104,7 @@ mt_slot(MTable *t, PyObject *engine, long long rank)
     }
 }
 
-/* A candidate's sort key (never connected, cost, -score, engine, rank) and its entry. */
-typedef struct {
-    int never;
-    double cost, negscore;
-    PyObject *engine; /* borrowed from the candidate */
-    long long rank;
-    PyObject *entry; /* owned */
-    PyObject *wm;    /* borrowed from the match */
-} Cand;
+typedef KviCand Cand;
 
 /* (engine, rank) order: engine ids in code point order, as str's <, then the rank. */
 static int
@@ -351,26 +239,174 @@ rotate_ties(Cand *cs, Py_ssize_t k, long long slot, long long of)
 
 PyDoc_STRVAR(rank_doc,
 "rank(cands, workers, pred, load, used, in_flight, link, query_blocks, block_size, scale,\n"
-"     idle_source, entry_cls, load_cls, slot, of) -> (entries, top_score, best_match) | None\n\n"
+"     idle_source, entry_cls, load_cls, slot, of, keep) -> (entries, top_score, best_match)\n"
+"     | (json, top_score, best_match, first_entries) | None\n\n"
 "The ranked entries of a route's candidates, best first (route._py_rank is the\n"
 "reference: same arguments, same answer). `cands` are (engine, dp_rank, stale)\n"
 "tuples, or a model's rows (engine, dp_rank, freshness, position; None for a\n"
 "removed worker, skipped); `workers` the match's WorkerMatch tuples; `pred`, `load`, `in_flight`, `link`\n"
 "dicts or None; load keys found are added to the set `used`. Entries are dicts, or\n"
 "entry_cls(..., load_cls(...)) when the classes are given. Ties on cost and score are\n"
-"ordered for replica `slot` of `of` (route._rotate_ties). None when a value is one\n"
-"only Python ranks exactly (a NaN cost or score, a load that is not an int below\n"
-"2**53, an engine that is not a str, a non-dict mapping): ask _py_rank then.");
+"ordered for replica `slot` of `of` (route._rotate_ties). With `keep` an int, the\n"
+"entries are written as the JSON array msgspec makes of them (bytes) and only the\n"
+"first `keep` are made. None when a value is one only Python ranks (or msgspec\n"
+"writes) exactly (a NaN cost or score, a load that is not an int below 2**53, an\n"
+"engine that is not a str, a non-dict mapping; with `keep`, a string JSON escapes):\n"
+"ask _py_rank then.");
 
 #define DECLINE 1 /* a value outside what this loop ranks exactly: return None */
+
+/* Candidate `c` weighed into *out (its references: KviCand's); 0, DECLINE or -1 (error).
+ * `key` is the caller's (engine, rank) tuple, its items set here (borrowed). */
+static int
+weigh(PyObject *c, MTable *wms, PyObject *key, PyObject *pred, PyObject *load, PyObject *used,
+      PyObject *in_flight, PyObject *link, long long qb, long long bs, double scale, PyObject *idle, Cand *out)
+{
+    Py_ssize_t size = PyTuple_Check(c) ? PyTuple_GET_SIZE(c) : 0;
+    if ((size != 3 && size != 4) || !PyUnicode_CheckExact(PyTuple_GET_ITEM(c, 0)) ||
+        !PyLong_CheckExact(PyTuple_GET_ITEM(c, 1)) ||
+        (size == 4 && (!PyTuple_Check(PyTuple_GET_ITEM(c, 2)) || PyTuple_GET_SIZE(PyTuple_GET_ITEM(c, 2)) < 1)))
+        return DECLINE;
+    PyObject *engine = PyTuple_GET_ITEM(c, 0), *rk = PyTuple_GET_ITEM(c, 1), *st = PyTuple_GET_ITEM(c, 2);
+    if (size == 4)
+        st = PyTuple_GET_ITEM(st, 0); /* a row: stale is its freshness' first item */
+    long long r;
+    int got = small_int(rk, &r);
+    if (got <= 0)
+        return got < 0 ? -1 : DECLINE;
+    PyTuple_SET_ITEM(key, 0, engine);
+    PyTuple_SET_ITEM(key, 1, rk);
+    /* Made below and released on failure; kept in *out on success. */
+    PyObject *name = NULL, *ld0 = NULL, *ld1 = NULL, *src = idle, *conn = NULL; /* ld0 NULL: idle so far */
+    PyObject *pb = kvi_ZERO, *wm = NULL;
+    double score = 0.0, d;
+    int never = 0;
+    MSlot *sl = mt_slot(wms, engine, r);
+    if (sl == NULL)
+        goto fail;
+    wm = sl->wm; /* NULL: nothing matched there */
+    if (wm != NULL) {
+        if ((got = as_double(PyTuple_GET_ITEM(wm, 0), &d)) <= 0)
+            goto bad;
+        score = -d + 0.0;
+    }
+    if (pred != NULL) {
+        PyObject *p = PyDict_GetItemWithError(pred, key);
+        if (p == NULL && PyErr_Occurred())
+            goto fail;
+        if (p != NULL) {
+            if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) < 2 || (got = as_double(PyTuple_GET_ITEM(p, 1), &d)) <= 0)
+                goto bad;
+            pb = PyTuple_GET_ITEM(p, 0);
+            score += d;
+        }
+    }
+    if (load != NULL) {
+        /* The name, else the engine (a None value: as if absent, like dict.get). The
+         * name is made only here: the answer's entries write their own. */
+        if ((name = kvi_worker_name(engine, rk, r)) == NULL)
+            goto fail;
+        PyObject *ld = PyDict_GetItemWithError(load, name), *hit = name;
+        if ((ld == NULL && !PyErr_Occurred()) || ld == Py_None) {
+            ld = PyDict_GetItemWithError(load, engine);
+            hit = engine;
+        }
+        if (ld == NULL && PyErr_Occurred())
+            goto fail;
+        if (ld != NULL && ld != Py_None) {
+            if (PySet_Add(used, hit) < 0 || (ld0 = item(ld, 0)) == NULL || (ld1 = item(ld, 1)) == NULL)
+                goto fail;
+            src = kvi_src_caller;
+        }
+        Py_CLEAR(name);
+    }
+    if (ld0 == NULL && in_flight != NULL) {
+        PyObject *f = PyDict_GetItemWithError(in_flight, key);
+        if (f == NULL && PyErr_Occurred())
+            goto fail;
+        if (f != NULL && f != Py_None) {
+            if ((ld0 = item(f, 0)) == NULL || (ld1 = item(f, 1)) == NULL)
+                goto fail;
+            int t0 = PyObject_IsTrue(ld0), t1 = t0 ? 1 : PyObject_IsTrue(ld1);
+            if (t0 < 0 || t1 < 0)
+                goto fail;
+            if (t0 || t1) {
+                src = kvi_src_index;
+            } else {
+                Py_CLEAR(ld0);
+                Py_CLEAR(ld1);
+            }
+        }
+    }
+    if (ld0 == NULL) {
+        ld0 = Py_NewRef(kvi_ZERO);
+        ld1 = Py_NewRef(kvi_ZERO);
+    }
+    long long pre = 0, p0;
+    double dec;
+    if (bs) {
+        if ((got = small_int(ld0, &p0)) <= 0)
+            goto bad;
+        pre = -floordiv(-p0, bs);
+    } else if (!PyLong_Check(ld0)) {
+        got = 0;
+        goto bad; /* the reference adds it nowhere, but an int is what it reports */
+    }
+    if ((got = as_double(ld1, &dec)) <= 0)
+        goto bad;
+    if (pre + qb >= EXACT || pre + qb <= -EXACT) {
+        got = 0;
+        goto bad;
+    }
+    double x = (double)(pre + qb) - score;
+    double cost = scale * (0.0 > x ? 0.0 : x) + dec; /* max(x, 0.0): x unless 0.0 > x */
+    if (isnan(cost) || isnan(score)) {
+        got = 0;
+        goto bad;
+    }
+    if (link != NULL) {
+        PyObject *lk = PyDict_GetItemWithError(link, key);
+        if (lk == NULL && PyErr_Occurred())
+            goto fail;
+        if (lk != NULL && lk != Py_None) {
+            PyObject *ever = item(lk, 1);
+            if (ever == NULL || (conn = item(lk, 0)) == NULL) {
+                Py_XDECREF(ever);
+                goto fail;
+            }
+            int t = PyObject_IsTrue(ever);
+            Py_DECREF(ever);
+            if (t < 0)
+                goto fail;
+            never = !t;
+        } else {
+            conn = Py_NewRef(Py_None);
+        }
+    } else {
+        conn = Py_NewRef(Py_True);
+    }
+    *out = (Cand){never, cost, -score, engine, r, rk, st, wm, pb, ld0, ld1, conn, src};
+    return 0;
+bad:
+    got = got < 0 ? -1 : DECLINE;
+    goto release;
+fail:
+    got = -1;
+release:
+    Py_XDECREF(name);
+    Py_XDECREF(ld0);
+    Py_XDECREF(ld1);
+    Py_XDECREF(conn);
+    return got;
+}
 
 static PyObject *
 rank(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 15 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PySet_Check(args[4]) ||
+    if (nargs != 16 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PySet_Check(args[4]) ||
         !PyUnicode_Check(args[10])) {
         PyErr_SetString(PyExc_TypeError, "rank(list, list, dict|None, dict|None, set, dict|None, dict|None, int, "
-                                         "int, float, str, type|None, type|None, int, int)");
+                                         "int, float, str, type|None, type|None, int, int, int|None)");
         return NULL;
     }
     PyObject *cands = args[0], *workers = args[1], *used = args[4], *idle = args[10];
@@ -381,33 +417,32 @@ rank(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
         (in_flight && !PyDict_CheckExact(in_flight)) || (link && !PyDict_CheckExact(link)) ||
         (entry_cls == NULL) != (load_cls == NULL))
         Py_RETURN_NONE;
-    long long qb = 0, bs = 0, slot = 0, of = 1;
+    long long qb = 0, bs = 0, slot = 0, of = 1, keep = -1; /* keep < 0: every entry as objects */
     double scale = 0.0;
     int ok1 = small_int(args[7], &qb), ok2 = small_int(args[8], &bs), ok3 = as_double(args[9], &scale);
     int ok4 = small_int(args[13], &slot), ok5 = small_int(args[14], &of);
-    if (ok1 < 0 || ok2 < 0 || ok3 < 0 || ok4 < 0 || ok5 < 0)
+    int ok6 = args[15] == Py_None ? 1 : small_int(args[15], &keep);
+    if (ok1 < 0 || ok2 < 0 || ok3 < 0 || ok4 < 0 || ok5 < 0 || ok6 < 0)
         return NULL;
     /* A slot count past 2**31 keeps slot * m exact in a long long: beyond, Python ranks. */
-    if (!ok1 || !ok2 || !ok3 || !ok4 || !ok5 || bs < 0 || isnan(scale) || slot < 0 || slot >= of ||
-        of > (1LL << 31))
+    if (!ok1 || !ok2 || !ok3 || !ok4 || !ok5 || !ok6 || bs < 0 || isnan(scale) || slot < 0 || slot >= of ||
+        of > (1LL << 31) || (args[15] != Py_None && keep < 0))
         Py_RETURN_NONE;
-    if (init_templates() < 0)
+    if (kvi_rankout_init() < 0)
         return NULL;
 
     Py_ssize_t n = PyList_GET_SIZE(cands), nw = PyList_GET_SIZE(workers);
     /* The (engine, dp_rank) key each candidate is looked up by: one tuple whose items
      * are set (borrowed) per candidate, not one made and freed per candidate. Only
      * looked up with, never stored: its items are cleared before it is released. */
-    PyObject *out = NULL, *key = PyTuple_New(2);
-    /* Shared by the entries (immutable): the last score and cost made, and the struct
-     * path's load of an idle worker (frozen; a dict could be changed, so each has its own). */
-    PyObject *last_score = NULL, *last_cost = NULL, *idle_ld = NULL;
+    PyObject *out = NULL, *json = NULL, *key = PyTuple_New(2);
+    KviShared sh = {NULL, NULL, NULL};
     size_t cap = 8;
     while (cap < 2 * (size_t)nw)
         cap <<= 1;
     MTable wms = {PyMem_Calloc(cap, sizeof(MSlot)), cap - 1};
-    Cand *cs = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Cand));
-    Py_ssize_t k = 0; /* entries made (a None row makes none) */
+    Cand *cs = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Cand)); /* each one used is set whole */
+    Py_ssize_t k = 0; /* candidates weighed (a None row is none) */
     double top = -INFINITY;
     int err = 0;      /* 1: decline; -1: error */
     if (wms.slots == NULL || cs == NULL || key == NULL) {
@@ -437,211 +472,54 @@ rank(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
         PyObject *c = PyList_GET_ITEM(cands, i);
         if (c == Py_None)
             continue; /* a removed worker's row */
-        Py_ssize_t size = PyTuple_Check(c) ? PyTuple_GET_SIZE(c) : 0;
-        if ((size != 3 && size != 4) || !PyUnicode_CheckExact(PyTuple_GET_ITEM(c, 0)) ||
-            !PyLong_CheckExact(PyTuple_GET_ITEM(c, 1)) ||
-            (size == 4 && (!PyTuple_Check(PyTuple_GET_ITEM(c, 2)) || PyTuple_GET_SIZE(PyTuple_GET_ITEM(c, 2)) < 1))) {
-            err = DECLINE;
+        if ((err = weigh(c, &wms, key, pred, load, used, in_flight, link, qb, bs, scale, idle, &cs[k])) != 0)
             goto done;
-        }
-        PyObject *engine = PyTuple_GET_ITEM(c, 0), *rk = PyTuple_GET_ITEM(c, 1), *st = PyTuple_GET_ITEM(c, 2);
-        if (size == 4)
-            st = PyTuple_GET_ITEM(st, 0); /* a row: stale is its freshness' first item */
-        long long r;
-        int got = small_int(rk, &r);
-        if (got <= 0) {
-            err = got < 0 ? -1 : DECLINE;
-            goto done;
-        }
-        /* Everything made below is released at `next`; `entry` is kept in cs[k]. */
-        PyTuple_SET_ITEM(key, 0, engine);
-        PyTuple_SET_ITEM(key, 1, rk);
-        PyObject *name = NULL, *ld0 = NULL, *ld1 = NULL, *src = idle; /* ld0 NULL: idle so far */
-        PyObject *conn = NULL, *score_o = NULL, *cost_o = NULL, *cached = NULL, *ld_o = NULL, *entry = NULL;
-        PyObject *pb = kvi_ZERO, *wm = NULL;
-        double score = 0.0, d;
-        int never = 0, step = 0;
-        MSlot *sl = mt_slot(&wms, engine, r);
-        if (sl == NULL)
-            goto fail;
-        wm = sl->wm; /* NULL: nothing matched there */
-        if (wm != NULL) {
-            if ((got = as_double(PyTuple_GET_ITEM(wm, 0), &d)) <= 0)
-                goto bad;
-            score = -d + 0.0;
-        }
-        if (pred != NULL) {
-            PyObject *p = PyDict_GetItemWithError(pred, key);
-            if (p == NULL && PyErr_Occurred())
-                goto fail;
-            if (p != NULL) {
-                if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) < 2 || (got = as_double(PyTuple_GET_ITEM(p, 1), &d)) <= 0)
-                    goto bad;
-                pb = PyTuple_GET_ITEM(p, 0);
-                score += d;
-            }
-        }
-        if ((name = worker_name(engine, rk, r)) == NULL)
-            goto fail;
-        if (load != NULL) {
-            /* The name, else the engine (a None value: as if absent, like dict.get). */
-            PyObject *ld = PyDict_GetItemWithError(load, name), *hit = name;
-            if ((ld == NULL && !PyErr_Occurred()) || ld == Py_None) {
-                ld = PyDict_GetItemWithError(load, engine);
-                hit = engine;
-            }
-            if (ld == NULL && PyErr_Occurred())
-                goto fail;
-            if (ld != NULL && ld != Py_None) {
-                if (PySet_Add(used, hit) < 0 || (ld0 = item(ld, 0)) == NULL || (ld1 = item(ld, 1)) == NULL)
-                    goto fail;
-                src = src_caller;
-            }
-        }
-        if (ld0 == NULL && in_flight != NULL) {
-            PyObject *f = PyDict_GetItemWithError(in_flight, key);
-            if (f == NULL && PyErr_Occurred())
-                goto fail;
-            if (f != NULL && f != Py_None) {
-                if ((ld0 = item(f, 0)) == NULL || (ld1 = item(f, 1)) == NULL)
-                    goto fail;
-                int t0 = PyObject_IsTrue(ld0), t1 = t0 ? 1 : PyObject_IsTrue(ld1);
-                if (t0 < 0 || t1 < 0)
-                    goto fail;
-                if (t0 || t1) {
-                    src = src_index;
-                } else {
-                    Py_CLEAR(ld0);
-                    Py_CLEAR(ld1);
-                }
-            }
-        }
-        if (ld0 == NULL) {
-            ld0 = kvi_ZERO;
-            ld1 = kvi_ZERO;
-            Py_INCREF(ld0);
-            Py_INCREF(ld1);
-        }
-        long long pre = 0, p0;
-        double dec;
-        if (bs) {
-            if ((got = small_int(ld0, &p0)) <= 0)
-                goto bad;
-            pre = -floordiv(-p0, bs);
-        } else if (!PyLong_Check(ld0)) {
-            goto bad; /* the reference adds it nowhere, but an int is what it reports */
-        }
-        if ((got = as_double(ld1, &dec)) <= 0 || pre + qb >= EXACT || pre + qb <= -EXACT)
-            goto bad;
-        double x = (double)(pre + qb) - score;
-        double cost = scale * (0.0 > x ? 0.0 : x) + dec; /* max(x, 0.0): x unless 0.0 > x */
-        if (isnan(cost) || isnan(score))
-            goto bad;
-        if (link != NULL) {
-            PyObject *lk = PyDict_GetItemWithError(link, key);
-            if (lk == NULL && PyErr_Occurred())
-                goto fail;
-            if (lk != NULL && lk != Py_None) {
-                PyObject *ever = item(lk, 1);
-                if (ever == NULL || (conn = item(lk, 0)) == NULL) {
-                    Py_XDECREF(ever);
-                    goto fail;
-                }
-                int t = PyObject_IsTrue(ever);
-                Py_DECREF(ever);
-                if (t < 0)
-                    goto fail;
-                never = !t;
-            } else {
-                conn = Py_None;
-                Py_INCREF(conn);
-            }
-        } else {
-            conn = Py_True;
-            Py_INCREF(conn);
-        }
-        if (wm != NULL) {
-            if ((cached = PyNumber_Negative(PyTuple_GET_ITEM(wm, 1))) == NULL)
-                goto fail;
-        } else {
-            cached = kvi_ZERO;
-            Py_INCREF(cached);
-        }
-        if ((score_o = same_float(score + 0.0, &last_score)) == NULL || (cost_o = same_float(cost, &last_cost)) == NULL)
-            goto fail;
-        {
-            PyObject *lvals[N_LOAD] = {ld0, ld1, src};
-            int is_idle = src == idle && ld0 == kvi_ZERO && ld1 == kvi_ZERO; /* set just above */
-            if (load_cls != NULL && is_idle && idle_ld != NULL) {
-                ld_o = idle_ld;
-                Py_INCREF(ld_o);
-            } else {
-                ld_o = load_cls != NULL ? PyObject_Vectorcall(load_cls, lvals, N_LOAD, NULL)
-                                        : filled(load_tpl, load_keys, lvals, N_LOAD);
-                if (ld_o != NULL && load_cls != NULL && is_idle) {
-                    idle_ld = ld_o;
-                    Py_INCREF(idle_ld);
-                }
-            }
-            if (ld_o == NULL)
-                goto fail;
-            PyObject *vals[N_ENTRY] = {name, engine, rk, score_o, cached, pb, cost_o, st, conn, ld_o};
-            entry = entry_cls != NULL ? PyObject_Vectorcall(entry_cls, vals, N_ENTRY, NULL)
-                                      : filled(entry_tpl, entry_keys, vals, N_ENTRY);
-            if (entry == NULL)
-                goto fail;
-        }
-        cs[k++] = (Cand){never, cost, -score, engine, r, entry, wm};
-        goto next;
-    bad:
-        step = got < 0 ? -1 : DECLINE;
-        goto next;
-    fail:
-        step = -1;
-    next:
-        Py_XDECREF(name);
-        Py_XDECREF(ld0);
-        Py_XDECREF(ld1);
-        Py_XDECREF(conn);
-        Py_XDECREF(score_o);
-        Py_XDECREF(cost_o);
-        Py_XDECREF(cached);
-        Py_XDECREF(ld_o);
-        if (step) {
-            err = step;
-            goto done;
-        }
+        k++;
     }
     qsort(cs, (size_t)k, sizeof(Cand), by_key);
     if (of > 1 && rotate_ties(cs, k, slot, of) < 0) {
         err = -1;
         goto done;
     }
-    out = PyList_New(k);
-    if (out == NULL) {
+    for (Py_ssize_t i = 0; i < k; i++)
+        if (-cs[i].negscore > top)
+            top = -cs[i].negscore; /* max(): the first of equal ones (never a -0.0 here) */
+    if (keep >= 0) {
+        if ((json = kvi_rank_json(cs, k)) == NULL) {
+            err = PyErr_Occurred() ? -1 : DECLINE;
+            goto done;
+        }
+    }
+    Py_ssize_t made = keep >= 0 && keep < k ? (Py_ssize_t)keep : k;
+    if ((out = PyList_New(made)) == NULL) {
         err = -1;
         goto done;
     }
-    for (Py_ssize_t i = 0; i < k; i++) {
-        if (-cs[i].negscore > top)
-            top = -cs[i].negscore; /* max(): the first of equal ones (never a -0.0 here) */
-        PyList_SET_ITEM(out, i, cs[i].entry);
-        cs[i].entry = NULL;
+    for (Py_ssize_t i = 0; i < made; i++) {
+        PyObject *entry = kvi_rank_entry(&cs[i], entry_cls, load_cls, idle, &sh);
+        if (entry == NULL) {
+            err = -1;
+            goto done;
+        }
+        PyList_SET_ITEM(out, i, entry);
     }
 done:
-    for (Py_ssize_t i = 0; cs != NULL && i < k; i++)
-        Py_XDECREF(cs[i].entry);
+    for (Py_ssize_t i = 0; cs != NULL && i < k; i++) {
+        Py_XDECREF(cs[i].ld0);
+        Py_XDECREF(cs[i].ld1);
+        Py_XDECREF(cs[i].conn);
+    }
     PyObject *res = NULL;
     if (err == 0) {
         PyObject *best = k > 0 && cs[0].wm != NULL ? cs[0].wm : Py_None;
-        res = Py_BuildValue("(NdO)", out, top, best); /* steals out; best is held by `workers` */
-        out = NULL;
+        /* best is held by `workers`; N steals out and json */
+        res = json != NULL ? Py_BuildValue("(NdON)", json, top, best, out) : Py_BuildValue("(NdO)", out, top, best);
+        out = json = NULL;
     }
     Py_XDECREF(out);
+    Py_XDECREF(json);
+    kvi_shared_clear(&sh);
     PyMem_Free(wms.slots);
-    Py_XDECREF(last_score);
-    Py_XDECREF(last_cost);
-    Py_XDECREF(idle_ld);
     if (key != NULL) {
         PyTuple_SET_ITEM(key, 0, NULL); /* borrowed: not released with the tuple */
         PyTuple_SET_ITEM(key, 1, NULL);

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from indexer._native import core as _core
 from indexer.query.answers import MatchResult
 from indexer.query.prefixes import Prefixes
-from indexer.query.route import Load, Ranking, RouteResponse, rank
+from indexer.query.route import BODY, DICTS, STRUCTS, Load, Ranking, RouteBody, RouteResponse, rank
 from indexer.store.journal import (
     CORRECT_LOAD,
     MATCH,
@@ -122,7 +122,7 @@ class Query(Prefixes):
         decode blocks for ``max_tokens`` until :meth:`route_done` (or ``decode_ttl_s``).
         The answer's ``request_id`` names it (None without ``record``)."""
         ranking, rid = self._route(token_ids, model, lora_name, cache_salt, load, candidates, prefill_load_scale,
-                                   record, max_tokens, link, False)
+                                   record, max_tokens, link, DICTS)
         out = ranking.answer()
         out["request_id"] = rid
         return out
@@ -137,13 +137,28 @@ class Query(Prefixes):
         large fleet's answer lists hundreds of entries; as structs they cost about half as
         much to build and encode, and none is tracked by the cycle collector."""
         ranking, rid = self._route(token_ids, model, lora_name, cache_salt, load, candidates, prefill_load_scale,
-                                   record, max_tokens, link, True)
+                                   record, max_tokens, link, STRUCTS)
         return ranking.response(rid)
+
+    def route_body(self, token_ids: Sequence[int], *, model: str | None = "default",
+                   lora_name: str | None = None, cache_salt: str | None = None,
+                   load: Mapping[str, Load] | None = None, candidates: Iterable[str] | None = None,
+                   prefill_load_scale: float = 1.0, record: bool = True, max_tokens: int | None = None,
+                   link: Mapping[tuple[str, int], tuple[bool, bool]] | None = None) -> RouteBody:
+        """:meth:`route`, its answer as the JSON bytes the service sends (byte for byte
+        :meth:`route_response` encoded by msgspec), with its first two ranked entries as
+        structs (:class:`~indexer.query.route.RouteBody`). The compiled core writes the
+        ranked entries straight from the ranking, no object per candidate: a fleet of
+        hundreds of workers answered as structs spent most of the route making them and
+        encoding them."""
+        ranking, rid = self._route(token_ids, model, lora_name, cache_salt, load, candidates, prefill_load_scale,
+                                   record, max_tokens, link, BODY)
+        return ranking.route_body(rid)
 
     def _route(self, token_ids: Sequence[int], model: str | None, lora_name: str | None, cache_salt: str | None,
                load: Mapping[str, Load] | None, candidates: Iterable[str] | None, prefill_load_scale: float,
                record: bool, max_tokens: int | None, link: Mapping[tuple[str, int], tuple[bool, bool]] | None,
-               structs: bool) -> tuple[Ranking, str | None]:
+               form: int) -> tuple[Ranking, str | None]:
         """:meth:`route`'s decision and its request id (None without ``record``); records
         it with ``record``. The match, the ranking and the record are one section under
         the lock, so no batch lands between what the route saw and what it recorded."""
@@ -154,19 +169,24 @@ class Query(Prefixes):
             if self._rec is not None:
                 if candidates is not None and not isinstance(candidates, (list, tuple, set, frozenset)):
                     candidates = list(candidates)  # journaled as given, and still there to rank
+                # The journal digests each answer as msgpack of its structs (recops): a
+                # recorded route makes them, and writes the same JSON from them.
+                form = min(form, STRUCTS)
                 return self._rec.run(ROUTE, self._route_keys,  # type: ignore[no-any-return]
                                      (src, model, load, candidates, prefill_load_scale, record, max_tokens,
-                                      None if link is None else dict(link), structs))
+                                      None if link is None else dict(link), form))
             return self._route_keys(src, model, load, candidates, prefill_load_scale, record, max_tokens, link,
-                                    structs)
+                                    form)
 
     def _route_keys(self, keys_for: KeysFor, model: str | None, load: Mapping[str, Load] | None,
                     candidates: Iterable[str] | None, prefill_load_scale: float, record: bool,
                     max_tokens: int | None, link: Mapping[tuple[str, int], tuple[bool, bool]] | None,
-                    structs: bool) -> tuple[Ranking, str | None]:
+                    form: int) -> tuple[Ranking, str | None]:
         """:meth:`_route` of a prompt given as its key source (the caller holds the lock):
         what a replay calls with the keys a recording kept. With ``record`` the route's
-        decision goes in flight."""
+        decision goes in flight. ``form`` is how the entries are written (DICTS, STRUCTS
+        or BODY: :mod:`indexer.query.route`); a recording kept it as a bool before BODY
+        (False, True: the same 0, 1)."""
         ntok: int = keys_for.ntok  # type: ignore[attr-defined]  # a KeySource
         res = self._match_keys(keys_for, model)
         if res.block_size is None:  # nothing stored yet: the prompt's size in default blocks
@@ -177,8 +197,8 @@ class Query(Prefixes):
         inf.expire(self._clock())
         busy = inf.prefill or inf.decode or inf.engine_extra  # else: nothing to ask per worker
         ranking = rank(res, known, load=load, candidates=candidates, prefill_load_scale=prefill_load_scale,
-                       link=link, in_flight=inf.loads() if busy else None, index_load=True, structs=structs,
-                       tie_slot=self.tie_slot)
+                       link=link, in_flight=inf.loads() if busy else None, index_load=True, structs=form >= STRUCTS,
+                       tie_slot=self.tie_slot, body=form == BODY)
         rid = None
         if record:
             bs: int = res.block_size  # type: ignore[assignment]  # set just above when None

@@ -6,7 +6,9 @@ the service's ``POST /v1/route`` and the fleet simulator's index policy.
 The answer lists every candidate (hundreds in a large fleet), so the per-candidate work
 is one pass in the compiled core (``indexer/_native/ranking.c``; :func:`_py_rank` is its
 pure-Python twin and the fallback): cost, sort key and the ranked entry, built once,
-either as the library's dicts or as the service's msgspec structs (the same JSON).
+either as the library's dicts, as msgspec structs (the same JSON), or written straight
+to the answer's JSON bytes (``rankout.c``; :meth:`Ranking.body`), which is what the
+service sends: at 256 workers the structs and their encoding were most of a route.
 """
 
 from __future__ import annotations
@@ -16,13 +18,23 @@ from bisect import bisect_left
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-from msgspec import Struct
+import msgspec
+from msgspec import Raw, Struct
 
 from indexer._native import core as _core
 from indexer.query.answers import MatchResult, Row, WorkerMatch
 from indexer.wire.engines import parse_worker
 
-__all__ = ["Load", "LoadOut", "RankedOut", "RouteResponse", "Ranking", "rank", "route"]
+__all__ = ["Load", "LoadOut", "RankedOut", "RouteBody", "RouteResponse", "Ranking", "rank", "route"]
+
+# How a ranking writes its entries (``Query._route_keys``' ``form``): the library's dicts,
+# msgspec structs, or the answer's JSON bytes with only the first KEEP entries as structs.
+# A recording keeps the form as it kept the bool "structs" before (False, True: 0, 1).
+DICTS, STRUCTS, BODY = 0, 1, 2
+# The entries a caller of the JSON form still reads as structs (the chosen worker and the
+# runner-up: the service's metrics and its decisions page).
+KEEP = 2
+_encode = msgspec.json.encode
 
 
 class Load(NamedTuple):
@@ -78,10 +90,40 @@ class RouteResponse(Struct, gc=False, frozen=True):
     request_id: str | None
 
 
+# RouteResponse with its "ranked" already written as JSON (the same fields in the same
+# order, so the same bytes): what Ranking.body encodes around the compiled core's array.
+class _RouteRaw(Struct, gc=False, frozen=True):
+    model: str
+    worker: str
+    engine: str
+    dp_rank: int
+    score: float
+    cost: float
+    reason: str
+    tiers: dict[str, int]
+    ranked: Raw
+    unused_load: list[str]
+    request_id: str | None
+
+
+class RouteBody(NamedTuple):
+    """The ``POST /v1/route`` answer as the JSON bytes the service sends
+    (``PrefixIndex.route_body``), with what a caller reads of it without decoding it."""
+
+    body: bytes
+    model: str
+    reason: str
+    tiers: dict[str, int]
+    ranked: list[RankedOut]  # the first KEEP entries of the body's "ranked" (all when fewer)
+    request_id: str | None
+
+
 class Ranking(NamedTuple):
     """A route's decision before it is written out: the ranked entries, best first
     (dicts, or :class:`RankedOut` when asked for structs), and what the answer's head
-    says. Read-only."""
+    says. Read-only. With ``json`` (``rank(..., body=True)``) the entries are already
+    written as the answer's JSON array and ``ranked`` holds only the first :data:`KEEP`
+    of them: write it out with :meth:`body`."""
 
     model: str
     ranked: list[Any]
@@ -89,6 +131,7 @@ class Ranking(NamedTuple):
     top_score: float  # the highest score of any candidate
     unused_load: list[str]
     structs: bool
+    json: bytes | None = None
 
     def head(self) -> tuple[str, str, int, float, float, int, int]:
         """``(worker, engine, dp_rank, score, cost, cached_blocks, predicted_blocks)`` of
@@ -110,6 +153,7 @@ class Ranking(NamedTuple):
     def answer(self) -> dict[str, Any]:
         """The ``/v1/route`` body as the library's dict (``ranked``: dicts), without its
         ``request_id`` (the caller adds it)."""
+        self._whole()
         worker, engine, rank_, score, cost, _, _ = self.head()
         return {
             "model": self.model,
@@ -128,10 +172,30 @@ class Ranking(NamedTuple):
 
     def response(self, request_id: str | None = None) -> RouteResponse:
         """The same body as :meth:`answer`, as structs (``rank(..., structs=True)``)."""
+        self._whole()
         worker, engine, rank_, score, cost, _, _ = self.head()
         return RouteResponse(self.model, worker, engine, rank_, score, cost, self.reason(),
                              self.best.tiers if self.best is not None else {}, self.ranked, self.unused_load,
                              request_id)
+
+    def body(self, request_id: str | None = None) -> bytes:
+        """The ``/v1/route`` body's JSON bytes: those of :meth:`response` (or of
+        :meth:`answer` with ``request_id``), whatever form the entries are in."""
+        if self.json is None:
+            return _encode(self.response(request_id))
+        worker, engine, rank_, score, cost, _, _ = self.head()
+        return _encode(_RouteRaw(self.model, worker, engine, rank_, score, cost, self.reason(),
+                                 self.best.tiers if self.best is not None else {}, Raw(self.json),
+                                 self.unused_load, request_id))
+
+    def route_body(self, request_id: str | None = None) -> RouteBody:
+        """:meth:`body` with what a caller reads of it (:class:`RouteBody`)."""
+        return RouteBody(self.body(request_id), self.model, self.reason(),
+                         self.best.tiers if self.best is not None else {}, self.ranked[:KEEP], request_id)
+
+    def _whole(self) -> None:
+        if self.json is not None:
+            raise ValueError("this ranking is written as JSON already: only body() writes it out")
 
 
 def route(
@@ -195,9 +259,12 @@ def rank(
     index_load: bool = False,
     structs: bool = False,
     tie_slot: tuple[int, int] = (0, 1),
+    body: bool = False,
 ) -> Ranking:
     """:func:`route`'s decision as a :class:`Ranking` (its entries as :class:`RankedOut`
-    with ``structs``), for the caller to write out with or without a request id. Raises as
+    with ``structs``), for the caller to write out with or without a request id. With
+    ``body`` the entries are written as the answer's JSON array at once (structs for the
+    first :data:`KEEP` only): :meth:`Ranking.body` then writes the answer. Raises as
     :func:`route` does (and ValueError for a ``tie_slot`` not ``0 <= slot < of``);
     changes nothing.
 
@@ -236,19 +303,24 @@ def rank(
                          f"{', '.join(repr(b) for b in bad)} (expected ENGINE or ENGINE/RANK, RANK in ASCII digits)")
     pred = {(e, r): (n, s) for e, r, n, s in res.predicted} if res.predicted else None
     idle = "index" if in_flight is not None or index_load else "none"
+    structs = structs or body
     entry_cls, load_cls = (RankedOut, LoadOut) if structs else (None, None)
     used: set[str] = set()
     args: tuple[Any, ...] = (cands, res.workers, pred, load or None, used, in_flight or None, link,
                              res.query_blocks, res.block_size or 0, prefill_load_scale, idle, entry_cls, load_cls,
-                             slot, of)
+                             slot, of, KEEP if body else None)
     got = _core.rank(*args) if _core is not None else None
     if got is None:  # no compiled core, or a value only Python ranks exactly (see ranking.c)
         used.clear()
         got = _py_rank(*args)
-    ranked, top_score, best = got
+    if body:
+        json, top_score, best, ranked = got
+    else:
+        json = None
+        ranked, top_score, best = got
     if not ranked:
         raise LookupError(f"no workers to route to for model {res.model!r}")
-    return Ranking(res.model, ranked, best, top_score, sorted(set(load) - used) if load else [], structs)
+    return Ranking(res.model, ranked, best, top_score, sorted(set(load) - used) if load else [], structs, json)
 
 
 # Load keys already checked: a fleet's names repeat from one route to the next, and
@@ -275,11 +347,13 @@ def _py_rank(cands: list[Any], workers: list[WorkerMatch],
              pred: dict[tuple[str, int], tuple[int, float]] | None, load: Mapping[str, Any] | None, used: set[str],
              in_flight: Mapping[tuple[str, int], tuple[int, int]] | None,
              link: Mapping[tuple[str, int], tuple[bool, bool]] | None, qb: int, bs: int, scale: float, idle: str,
-             entry_cls: Any, load_cls: Any, slot: int = 0, of: int = 1) -> tuple[list[Any], float, WorkerMatch | None]:
+             entry_cls: Any, load_cls: Any, slot: int = 0, of: int = 1,
+             keep: int | None = None) -> tuple[Any, ...]:
     """The ranked entries of ``cands`` (``(engine, dp_rank, stale)``, or rows: see
     :func:`rank`), best first, the highest score and the best one's match; load keys
-    found are added to ``used``. The compiled ``rank`` is its twin; this one also serves
-    the values it declines."""
+    found are added to ``used``. With ``keep``: ``(the entries as JSON, the highest score,
+    the best one's match, the first keep entries)``. The compiled ``rank`` is its twin;
+    this one also serves the values it declines."""
     by_key = {(w[2], w[3]): w for w in workers}
     keyed = []
     for c in cands:
@@ -329,7 +403,11 @@ def _py_rank(cands: list[Any], workers: list[WorkerMatch],
     if of > 1:
         _rotate_ties(keyed, slot, of)
     top = max((-t[2] for t in keyed), default=-math.inf)
-    return [t[5] for t in keyed], top, keyed[0][6] if keyed else None
+    ranked = [t[5] for t in keyed]
+    best = keyed[0][6] if keyed else None
+    if keep is not None:
+        return _encode(ranked), top, best, ranked[:keep]
+    return ranked, top, best
 
 
 def _sort_key(t: tuple[Any, ...]) -> tuple[Any, ...]:

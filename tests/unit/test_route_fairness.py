@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -177,15 +178,22 @@ def test_the_compiled_rank_rotates_ties_as_its_python_twin(data):
     of = data.draw(st.integers(1, 6))
     slot = data.draw(st.integers(0, of - 1))
 
-    def args() -> list[Any]:
+    def args(keep: int | None = None) -> list[Any]:
         return [cands, res.workers, None, None, set(), in_flight or None, link, res.query_blocks, BS, 1.0,
-                "index", None, None, slot, of]
+                "index", None, None, slot, of, keep]
 
     got = core.rank(*args())
     want = route_mod._py_rank(*args())
     assert got is not None
     assert [t["worker"] for t in got[0]] == [t["worker"] for t in want[0]]
     assert got[0] == want[0] and got[1:] == want[1:]
+    # The same order written as the answer's JSON (the service's body); a name JSON
+    # would escape is declined (msgspec writes it then).
+    got_json = core.rank(*args(2))
+    if got_json is None:
+        assert any(not e.isascii() for e, _, _ in cands)
+    else:
+        assert got_json[0] == route_mod._py_rank(*args(2))[0] == msgspec.json.encode(want[0])
     # A rotation only reorders a tie: the (never, cost, -score) sequence is the default's.
     base = route_mod._py_rank(*args()[:13])
     assert [(t["cost"], -t["score"]) for t in want[0]] == [(t["cost"], -t["score"]) for t in base[0]]
@@ -198,7 +206,7 @@ def test_the_compiled_rank_declines_a_slot_count_it_cannot_rank_exactly():
     apply(idx, [store(PROMPT, BS, 0, 5)], engine="a")
     res = idx.match(PROMPT)
     args = [[("a", 0, False), ("b", 0, False)], res.workers, None, None, set(), None, None, res.query_blocks, BS,
-            1.0, "index", None, None, 1, 2**40]
+            1.0, "index", None, None, 1, 2**40, None]
     assert core.rank(*args) is None
     assert route_mod._py_rank(*args)[0][0]["worker"] == "a/0"
 

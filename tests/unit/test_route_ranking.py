@@ -1,12 +1,15 @@
-"""R-Q-3, R-Q-6, R-Q-7: the route's ranking (compiled ``rank``, its Python twin and the
-service's struct answer) held to a straightforward reference over randomized fleets.
+"""R-Q-3, R-Q-6, R-Q-7: the route's ranking (compiled ``rank``, its Python twin, the
+struct answer and the service's JSON body written by the core) held to a straightforward
+reference over randomized fleets.
 
 The reference is the ranking as first written: one loop over the candidates asking the
 in-flight estimate of each, one sort of whole tuples, the answer's dicts built at the
 end. It shares no code with :mod:`indexer.query.route` beyond ``parse_worker``. Two
 indexes get the same events, the same clock and the same decisions; one answers with
 ``PrefixIndex.route`` / ``route_response``, the other with the reference, and every
-answer (and its JSON) must be the same.
+answer (and its JSON) must be the same. The body the core writes (``route_body``) is
+also held byte for byte to msgspec's encoding of the pure-Python answer over fleets of 1,
+8 and 256 workers with every kind of value an entry can hold.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import indexer.query.route as route_mod
 from evkit import FakeClock, apply, chunks, store, toks
 from indexer import PrefixIndex
 from indexer._native import core
-from indexer.query.route import Load, LoadOut, RankedOut
+from indexer.query.route import Load, LoadOut, RankedOut, RouteBody
 from indexer.wire.engines import parse_worker
 
 BS = 4
@@ -214,7 +217,13 @@ def build(fleet: dict[str, Any], clock: FakeClock) -> PrefixIndex:
 
 
 def check(got: Any, want: dict[str, Any]) -> None:
-    if not isinstance(got, dict):  # the service's structs: the very bytes it sends
+    if isinstance(got, RouteBody):  # the service's body, written by the core
+        assert same_rid(got.request_id, want["request_id"])
+        assert got.body == ENC.encode(dict(want, request_id=got.request_id))
+        assert [msgspec.to_builtins(r) for r in got.ranked] == want["ranked"][:2]
+        assert (got.model, got.reason, got.tiers) == (want["model"], want["reason"], want["tiers"])
+        return
+    if not isinstance(got, dict):  # structs: the bytes the service sent before route_body
         assert same_rid(got.request_id, want["request_id"])
         assert ENC.encode(msgspec.structs.replace(got, request_id=want["request_id"])) == ENC.encode(want)
         got = msgspec.to_builtins(got)
@@ -248,8 +257,8 @@ def test_R_Q_3_R_Q_7_route_matches_the_reference_over_random_fleets(compiled, da
                 new.route(tokens, **kw)
             assert str(got_e.value) == str(e)
             continue
-        as_structs = data.draw(st.booleans())
-        got = new.route_response(tokens, **kw) if as_structs else new.route(tokens, **kw)
+        form = data.draw(st.sampled_from([new.route, new.route_response, new.route_body]))
+        got = form(tokens, **kw)
         check(got, want)
         if data.draw(st.booleans()):  # in-flight load other routers add (the engine's report)
             w = data.draw(st.sampled_from(fleet["workers"]))
@@ -268,7 +277,7 @@ def py_rank_args(**over: Any) -> list[Any]:
     args: dict[str, Any] = {
         "cands": [("a", 0, False), ("é", 1, True), ("b", 0, False)], "workers": res.workers, "pred": None,
         "load": None, "used": set(), "in_flight": None, "link": None, "qb": res.query_blocks, "bs": BS,
-        "scale": 1.0, "idle": "index", "entry_cls": None, "load_cls": None, "slot": 0, "of": 1,
+        "scale": 1.0, "idle": "index", "entry_cls": None, "load_cls": None, "slot": 0, "of": 1, "keep": None,
     }
     args.update(over)
     return list(args.values())
