@@ -24,6 +24,9 @@ from indexer.wire.keys import block_keys
 __all__ = ["Divergence", "encode_call", "encode_result", "replay_call"]
 
 _enc = msgspec.msgpack.Encoder()
+# The first item of a route answer kept as its head and its entries' JSON (replay shows
+# the JSON decoded).
+JSON_ANSWER = "json"
 # An answer up to this size is kept whole (a mismatch then shows both); a larger one as
 # its digest and a summary.
 MAX_KEPT_ANSWER = 8192
@@ -139,9 +142,17 @@ def encode_result(op: int, result: Any) -> Any:
         return [result[0], result[1]]
     if op == J.ROUTE:
         ranking, rid = result
-        body = _enc.encode(ranking.response(rid))
-        worker, _, _, score, cost, _, _ = ranking.head()
-        return _answer(body, [rid, worker, ranking.reason(), score, cost])
+        worker, engine, rank_, score, cost, _, _ = ranking.head()
+        reason = ranking.reason()
+        if ranking.json is not None:
+            # Entries the compiled core wrote as JSON (the service's /v1/route): those bytes
+            # and the head, not structs made again (the route made none per worker).
+            body = _enc.encode([JSON_ANSWER, ranking.model, worker, engine, rank_, score, cost, reason,
+                                ranking.best.tiers if ranking.best is not None else {}, ranking.unused_load, rid,
+                                ranking.json])
+        else:
+            body = _enc.encode(ranking.response(rid))
+        return _answer(body, [rid, worker, reason, score, cost])
     if op in (J.MATCH, J.MATCH_BY_KEYS, J.MATCH_PLAIN):
         if result is None:
             return None

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from indexer.ingest.recfile import Damage, read_segment, segments
-from indexer.ingest.recops import Divergence, encode_result, replay_call, same_result
+from indexer.ingest.recops import JSON_ANSWER, Divergence, encode_result, replay_call, same_result
 from indexer.ingest.recprivacy import KeyedReplayIndex
 from indexer.query.index import PrefixIndex
 from indexer.store import journal as J
@@ -247,7 +247,10 @@ def _body(result: Any) -> Any:
     """An encoded result made readable: a kept answer decoded, else its summary."""
     if isinstance(result, list) and len(result) == 3 and isinstance(result[1], int):
         if result[0] is not None:
-            return msgspec.msgpack.decode(result[0])
+            v = msgspec.msgpack.decode(result[0])
+            if isinstance(v, list) and v and v[0] == JSON_ANSWER:  # a route's head, its entries as JSON
+                v[-1] = msgspec.json.decode(v[-1])
+            return v
         return {"digest": result[1], "summary": result[2]}
     return result
 

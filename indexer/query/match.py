@@ -169,9 +169,6 @@ class Query(Prefixes):
             if self._rec is not None:
                 if candidates is not None and not isinstance(candidates, (list, tuple, set, frozenset)):
                     candidates = list(candidates)  # journaled as given, and still there to rank
-                # The journal digests each answer as msgpack of its structs (recops): a
-                # recorded route makes them, and writes the same JSON from them.
-                form = min(form, STRUCTS)
                 return self._rec.run(ROUTE, self._route_keys,  # type: ignore[no-any-return]
                                      (src, model, load, candidates, prefill_load_scale, record, max_tokens,
                                       None if link is None else dict(link), form))

@@ -104,8 +104,11 @@ def test_a_recorded_run_replays_to_every_answer(tmp_path, pubs):
     assert len(told) == len(answers)
     for (kind, got), kept in zip(answers, told):
         if kind == "route":
-            assert kept["request_id"] == got["request_id"] and kept["worker"] == got["worker"]
-            assert [x["worker"] for x in kept["ranked"]] == [x["worker"] for x in got["ranked"]]
+            # Kept as its head and the ranked entries' JSON, the bytes the service wrote
+            # (recops: ["json", model, worker, engine, rank, score, cost, reason, tiers,
+            # unused load, request id, entries]).
+            assert kept[0] == "json" and kept[10] == got["request_id"] and kept[2] == got["worker"]
+            assert msgspec.json.decode(kept[11]) == got["ranked"]
         else:
             # A match is kept as MatchResult's tuple: (model, block_size, query_blocks, workers,
             # best, predicted), a worker as (-score, -total, engine, rank, ...).
