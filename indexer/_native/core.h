@@ -347,6 +347,7 @@ typedef struct {
     PyObject *pb;               /* predicted blocks: borrowed from `pred`, or kvi_ZERO */
     PyObject *ld0, *ld1, *conn; /* owned: the load weighed, the link's state now */
     PyObject *src;              /* borrowed: "caller", "index" or the idle source */
+    long long pos;              /* its place in (engine, rank) order (a model's row), or -1 */
 } KviCand;
 
 /* What the entries of one answer share (immutable objects made once): the last score and

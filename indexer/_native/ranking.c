@@ -126,6 +126,18 @@ worker_cmp(PyObject *e, long long er, PyObject *f, long long fr)
     return (er > fr) - (er < fr);
 }
 
+/* worker_cmp of two candidates: by their places when both are a model's rows (the
+ * caller ranked the model: a place is the (engine, rank) order), else by name. A whole
+ * fleet tied on cost and score sorted by comparing names was a fifth of a 256-worker
+ * route. */
+static int
+cand_cmp(const Cand *x, const Cand *y)
+{
+    if (x->pos >= 0 && y->pos >= 0)
+        return (x->pos > y->pos) - (x->pos < y->pos);
+    return worker_cmp(x->engine, x->rank, y->engine, y->rank);
+}
+
 static int
 by_key(const void *a, const void *b)
 {
@@ -136,14 +148,13 @@ by_key(const void *a, const void *b)
         return x->cost < y->cost ? -1 : 1;
     if (x->negscore != y->negscore)
         return x->negscore < y->negscore ? -1 : 1;
-    return worker_cmp(x->engine, x->rank, y->engine, y->rank);
+    return cand_cmp(x, y);
 }
 
 static int
 by_worker(const void *a, const void *b)
 {
-    const Cand *x = *(Cand *const *)a, *y = *(Cand *const *)b;
-    return worker_cmp(x->engine, x->rank, y->engine, y->rank);
+    return cand_cmp(*(Cand *const *)a, *(Cand *const *)b);
 }
 
 /* The number of run[0..m) (in (engine, rank) order) before (e, r). */
@@ -244,7 +255,7 @@ PyDoc_STRVAR(rank_doc,
 "The ranked entries of a route's candidates, best first (route._py_rank is the\n"
 "reference: same arguments, same answer). `cands` are (engine, dp_rank, stale)\n"
 "tuples, or a model's rows (engine, dp_rank, freshness, position; None for a\n"
-"removed worker, skipped); `workers` the match's WorkerMatch tuples; `pred`, `load`, `in_flight`, `link`\n"
+"removed worker, skipped; the model ranked: positions are its (engine, dp_rank) order); `workers` the match's WorkerMatch tuples; `pred`, `load`, `in_flight`, `link`\n"
 "dicts or None; load keys found are added to the set `used`. Entries are dicts, or\n"
 "entry_cls(..., load_cls(...)) when the classes are given. Ties on cost and score are\n"
 "ordered for replica `slot` of `of` (route._rotate_ties). With `keep` an int, the\n"
@@ -385,7 +396,10 @@ weigh(PyObject *c, MTable *wms, PyObject *key, PyObject *pred, PyObject *load, P
     } else {
         conn = Py_NewRef(Py_True);
     }
-    *out = (Cand){never, cost, -score, engine, r, rk, st, wm, pb, ld0, ld1, conn, src};
+    long long pos = -1;
+    if (size == 4 && small_int(PyTuple_GET_ITEM(c, 3), &pos) != 1)
+        pos = -1; /* not a place: ordered by its name */
+    *out = (Cand){never, cost, -score, engine, r, rk, st, wm, pb, ld0, ld1, conn, src, pos};
     return 0;
 bad:
     got = got < 0 ? -1 : DECLINE;

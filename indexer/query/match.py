@@ -189,7 +189,10 @@ class Query(Prefixes):
         if res.block_size is None:  # nothing stored yet: the prompt's size in default blocks
             dbs = self.default_block_size
             res = res._replace(block_size=dbs, query_blocks=ntok // dbs)
-        known = self.model_state(res.model).rows  # the workers' table
+        m = self.model_state(res.model)
+        if not m.ranked:
+            m.rank()  # the rows' positions are the (engine, dp_rank) order the ranking ties by
+        known = m.rows  # the workers' table
         inf = self.inflight
         inf.expire(self._clock())
         busy = inf.prefill or inf.decode or inf.engine_extra  # else: nothing to ask per worker
