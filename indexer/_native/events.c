@@ -215,27 +215,7 @@ scan_gpu_batch(PyObject *Py_UNUSED(mod), PyObject *payload)
     double ts;
     if (!rd_len(&r, 0x90, 0x9f, 0xdc, 0xdd, &nb) || (nb != 2 && nb != 3) || r.p >= r.end)
         goto none;
-    unsigned char c = *r.p;
-    if (c == 0xcb && r.end - r.p >= 9) {
-        uint64_t u = be(r.p + 1, 8);
-        memcpy(&ts, &u, 8);
-        r.p += 9;
-    }
-    else if (c == 0xca && r.end - r.p >= 5) {
-        uint32_t u = (uint32_t)be(r.p + 1, 4);
-        float fl;
-        memcpy(&fl, &u, 4);
-        ts = fl;
-        r.p += 5;
-    }
-    else {
-        uint64_t v;
-        int neg;
-        if (!rd_int(&r, &v, &neg))
-            goto none;
-        ts = neg ? (double)(int64_t)v : (double)v;
-    }
-    if (!(ts - ts == 0.0)) /* NaN or infinite: decode_batch refuses the batch */
+    if (!rd_ts(&r, &ts))
         goto none;
     if (!rd_len(&r, 0x90, 0x9f, 0xdc, 0xdd, &ne) || ne > (uint64_t)(r.end - r.p))
         goto none;

@@ -111,6 +111,36 @@ rd_int(Rd *r, uint64_t *v, int *neg)
     return 0;
 }
 
+/* A batch's ts (a float64, a float32 or an int) at r as a double: 1, r past it; 0 for
+ * anything else, or a NaN or infinite one (decode_batch refuses those batches). */
+static inline int
+rd_ts(Rd *r, double *ts)
+{
+    if (r->p >= r->end)
+        return 0;
+    unsigned char c = *r->p;
+    if (c == 0xcb && r->end - r->p >= 9) {
+        uint64_t u = be(r->p + 1, 8);
+        memcpy(ts, &u, 8);
+        r->p += 9;
+    }
+    else if (c == 0xca && r->end - r->p >= 5) {
+        uint32_t u = (uint32_t)be(r->p + 1, 4);
+        float fl;
+        memcpy(&fl, &u, 4);
+        *ts = fl;
+        r->p += 5;
+    }
+    else {
+        uint64_t v;
+        int neg;
+        if (!rd_int(r, &v, &neg))
+            return 0;
+        *ts = neg ? (double)(int64_t)v : (double)v;
+    }
+    return *ts - *ts == 0.0;
+}
+
 /* ``n`` ints in [0, 2**32) (an array's elements, its header read) at r as little-endian
  * uint32 into ``o`` (4 n bytes): 1, r past them; 0 for anything else (r somewhere
  * inside). No Python object: callable without the GIL. */

@@ -255,27 +255,12 @@ strip_batch(const unsigned char *p, size_t n, Out *o, Out *toks, uint64_t seed)
     uint32_t nb, ne;
     if (!rd_len(&r, 0x90, 0x9f, 0xdc, 0xdd, &nb) || (nb != 2 && nb != 3) || r.p >= r.end)
         return 0;
-    unsigned char c = *r.p;
     double ts;
     uint64_t v;
     int neg;
-    if (c == 0xcb && r.end - r.p >= 9) {
-        uint64_t u = be(r.p + 1, 8);
-        memcpy(&ts, &u, 8);
-        r.p += 9;
-    }
-    else if (c == 0xca && r.end - r.p >= 5) {
-        uint32_t u = (uint32_t)be(r.p + 1, 4);
-        float fl;
-        memcpy(&fl, &u, 4);
-        ts = fl;
-        r.p += 5;
-    }
-    else if (rd_int(&r, &v, &neg))
-        ts = 0.0;
-    else
+    if (!rd_ts(&r, &ts))
         return 0;
-    if (!(ts - ts == 0.0) || !rd_len(&r, 0x90, 0x9f, 0xdc, 0xdd, &ne) || ne > (uint64_t)(r.end - r.p))
+    if (!rd_len(&r, 0x90, 0x9f, 0xdc, 0xdd, &ne) || ne > (uint64_t)(r.end - r.p))
         return 0;
     if (!put(o, p, (size_t)(r.p - p)))
         return -1;
