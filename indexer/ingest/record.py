@@ -7,7 +7,9 @@ and the same answers (``docs/record.md``).
 removed, reset or marked stale, a route, a match, a done, a load correction, a peer's
 in-flight news) is queued under the index lock with its clock readings, at the cost of a
 tuple and a deque append; a background thread encodes the queue (prompts and payloads as
-the privacy mode keeps them, :mod:`.recprivacy`) and appends it to the current segment.
+the privacy mode keeps them, :mod:`.recprivacy`) and appends it to the current segment:
+runs of batches through the compiled framer (``indexer/_native/recframe.c``, the GIL
+released while it strips, hashes, encodes, checks and writes), the rest here.
 A segment starts with a *base*, the index's whole state at that point (its snapshot, the
 in-flight view, the exact clock values), so the oldest segments can go (size and age caps)
 and what is left still replays.
@@ -48,8 +50,8 @@ _enc = msgspec.msgpack.Encoder()
 # Records the writer takes from the queue at a time: the compiled framer holds the GIL
 # for ~0.1 us a record to read a run's fields, so a query waits at most ~50 us for it.
 _CHUNK = 512
-# What the writer holds before a write: each write (and its flush) lets go of the GIL and
-# takes it back, which costs the threads on the hot paths a switch; one a drain is enough.
+# What the writer holds before a write: each write lets go of the GIL and takes it back,
+# which costs the threads on the hot paths a switch; one a drain is enough.
 _WRITE_BYTES = 8 << 20
 
 
