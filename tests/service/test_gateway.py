@@ -215,7 +215,10 @@ def test_a_client_that_leaves_aborts_the_upstream_and_releases_its_load(peers, c
                                headers={"content-type": "application/json"}) as r:
                     assert r.status_code == 200
                     worker = r.headers["x-kvi-worker"]
-                    first = next(r.iter_raw())
+                    # The iterator is kept: dropped, it would close the stream (and the
+                    # connection) at once, and the request would end before it is looked at.
+                    chunks = r.iter_raw()
+                    first = next(chunks)
                     assert b"data: " in first
                     wait_for(lambda: any(w["in_flight"]["requests"] for w in s.client.get("/v1/workers")[1]), 5,
                              what="the request in flight")
