@@ -61,135 +61,49 @@ tokens_from_msgpack(PyObject *Py_UNUSED(mod), PyObject *raw)
 
 /* ------------------------------------------------------- scan_gpu_batch */
 
-/* One BlockStored map of the plain GPU shape (see scan_gpu_batch) as a tuple, NULL
- * with no error set when it is of any other shape, NULL with an error set on a real
+/* scan_store's sink: each array a new bytes object. */
+typedef struct {
+    PyObject *col[2]; /* PS_HASHES, PS_TOKENS */
+} ScanCols;
+
+static unsigned char *
+scan_room(void *ctx, int which, size_t bytes)
+{
+    ScanCols *c = ctx;
+    Py_XSETREF(c->col[which], PyBytes_FromStringAndSize(NULL, (Py_ssize_t)bytes));
+    return c->col[which] == NULL ? NULL : (unsigned char *)PyBytes_AS_STRING(c->col[which]);
+}
+
+/* One BlockStored map of the plain GPU shape (reader.h's scan_plain_store) as a tuple,
+ * NULL with no error set when it is of any other shape, NULL with an error set on a real
  * error (memory). */
 static PyObject *
 scan_store(Rd *r, const unsigned char *base)
 {
     const unsigned char *start = r->p;
-    uint32_t nk;
-    if (!rd_len(r, 0x80, 0x8f, 0xde, 0xdf, &nk))
-        return NULL;
-    unsigned seen = 0;
-    PyObject *hashes = NULL, *tokens = NULL, *parent = NULL, *group = NULL, *kind = NULL;
-    uint64_t nblocks = 0, ntok = 0, bs = 0;
-    for (uint32_t f = 0; f < nk; f++) {
-        const char *k;
-        uint32_t kl;
-        if (!rd_str(r, &k, &kl))
-            goto other;
-        unsigned bitv = field_bit(k, kl);
-        if (bitv == 0)
-            goto other; /* a field we do not know: the decoder counts it */
-        if (seen & bitv)
-            goto other;
-        seen |= bitv;
-        const char *sv;
-        uint32_t sl;
-        uint64_t v;
-        int neg;
-        switch (bitv) {
-        case K_TYPE:
-            if (!rd_str(r, &sv, &sl) || !str_is(sv, sl, "BlockStored"))
-                goto other;
-            break;
-        case K_HASHES: {
-            uint32_t n;
-            if (!rd_len(r, 0x90, 0x9f, 0xdc, 0xdd, &n) || n == 0 || n > (uint64_t)(r->end - r->p))
-                goto other;
-            hashes = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n * 8);
-            if (hashes == NULL)
-                goto other;
-            unsigned char *o = (unsigned char *)PyBytes_AS_STRING(hashes);
-            for (uint32_t i = 0; i < n; i++) {
-                if (!rd_int(r, &v, &neg) || neg)
-                    goto other; /* bytes digests, negative ints: the decoder's path */
-                put_le64(o + (size_t)i * 8, v);
-            }
-            nblocks = n;
-            break;
-        }
-        case K_PARENT:
-            if (rd_nil(r))
-                break;
-            if (!rd_int(r, &v, &neg) || neg)
-                goto other;
-            parent = PyLong_FromUnsignedLongLong(v);
-            if (parent == NULL)
-                goto other;
-            break;
-        case K_TOKENS: {
-            uint32_t n;
-            if (rd_tokens(r, &tokens, &n) <= 0)
-                goto other; /* another shape, or out of memory (error set) */
-            ntok = n;
-            break;
-        }
-        case K_BS:
-            if (!rd_int(r, &v, &neg) || neg || v == 0 || v > 0x7fffffff)
-                goto other; /* 0 (a placeholder) or a bad size: the general path */
-            bs = v;
-            break;
-        case K_LORA_ID: /* not part of a key (lora_name is) */
-        case K_SWA:
-            if (!rd_nil(r) && !rd_int(r, &v, &neg))
-                goto other;
-            break;
-        case K_MEDIUM:
-            if (rd_nil(r))
-                break;
-            if (!rd_str(r, &sv, &sl) || !str_is(sv, sl, "GPU"))
-                goto other;
-            break;
-        case K_LORA_NAME:
-        case K_EXTRA:
-        case K_LOCALITY:
-        case K_OWNERSHIP:
-        case K_LOOKAHEAD:
-            if (!rd_nil(r))
-                goto other;
-            break;
-        case K_GROUP:
-            if (rd_nil(r))
-                break;
-            if (!rd_int(r, &v, &neg))
-                goto other;
-            group = int_obj(v, neg);
-            if (group == NULL)
-                goto other;
-            break;
-        case K_KIND:
-            if (rd_nil(r))
-                break;
-            if (!rd_str(r, &sv, &sl))
-                goto other;
-            kind = PyUnicode_DecodeUTF8(sv, sl, NULL);
-            if (kind == NULL) {
-                PyErr_Clear(); /* not UTF-8: the decoder says so */
-                goto other;
-            }
-            break;
-        case K_SESSION:
-            if (!rd_nil(r) && !rd_str(r, &sv, &sl))
-                goto other;
-            break;
-        }
+    ScanCols c = {{NULL, NULL}};
+    PlainSink sink = {scan_room, &c};
+    PlainStore st;
+    PyObject *parent = NULL, *group = NULL, *kind = NULL, *out = NULL;
+    if (scan_plain_store(r, &st, &sink) != 1)
+        goto done; /* another shape, or out of memory (error set) */
+    if ((st.has_parent && (parent = PyLong_FromUnsignedLongLong(st.parent)) == NULL) ||
+        (st.has_group && (group = int_obj(st.group, st.group_neg)) == NULL))
+        goto done;
+    if (st.kind != NULL && (kind = PyUnicode_DecodeUTF8(st.kind, st.kind_n, NULL)) == NULL) {
+        PyErr_Clear(); /* not UTF-8: the decoder says so */
+        goto done;
     }
-    if (!(seen & K_TYPE) || !(seen & K_HASHES) || !(seen & K_TOKENS) || !(seen & K_BS) || ntok != nblocks * bs)
-        goto other;
-    PyObject *out = Py_BuildValue("(NNNKNNnn)", hashes, parent ? parent : (Py_INCREF(Py_None), Py_None), tokens,
-                                  (unsigned long long)bs, group ? group : (Py_INCREF(Py_None), Py_None),
-                                  kind ? kind : (Py_INCREF(Py_None), Py_None), (Py_ssize_t)(start - base),
-                                  (Py_ssize_t)(r->p - base));
-    return out;
-other: /* another shape (no error set) or out of memory (error set): the caller tells */
-    Py_XDECREF(hashes);
-    Py_XDECREF(tokens);
+    out = Py_BuildValue("(OOOKOOnn)", c.col[PS_HASHES], parent ? parent : Py_None, c.col[PS_TOKENS],
+                        (unsigned long long)st.bs, group ? group : Py_None, kind ? kind : Py_None,
+                        (Py_ssize_t)(start - base), (Py_ssize_t)(r->p - base));
+done:
+    Py_XDECREF(c.col[PS_HASHES]);
+    Py_XDECREF(c.col[PS_TOKENS]);
     Py_XDECREF(parent);
     Py_XDECREF(group);
     Py_XDECREF(kind);
-    return NULL;
+    return out;
 }
 
 PyDoc_STRVAR(scan_gpu_batch_doc,

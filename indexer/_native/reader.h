@@ -1,6 +1,7 @@
 /* reader.h: a msgpack reader over bytes, with no Python object: what events.c
  * (scan_gpu_batch, tokens_from_msgpack) and recframe.c (a recording's payloads, read
- * without the GIL) parse vLLM's events with. Header-only, every function static inline
+ * without the GIL) parse vLLM's events with, and the one rule of a plain GPU store both
+ * take (scan_plain_store). Header-only, every function static inline
  * (the decode's hottest loops keep them inlined). Needs core.h first. */
 #ifndef KVI_READER_H
 #define KVI_READER_H
@@ -233,6 +234,137 @@ field_bit(const char *k, uint32_t kl)
         if (kl == fields[i].len && memcmp(k, fields[i].name, kl) == 0)
             return fields[i].bit;
     return 0;
+}
+
+/* ------------------------------------------------- a plain GPU BlockStored */
+
+/* Where scan_plain_store writes a store's block hashes (uint64 LE, 8 bytes a block) and
+ * its token ids (uint32 LE): room(ctx, which, bytes) returns a buffer of that many
+ * bytes for PS_HASHES or PS_TOKENS, or NULL (out of memory; then the scan returns -1). */
+enum { PS_HASHES = 0, PS_TOKENS = 1 };
+typedef struct {
+    unsigned char *(*room)(void *ctx, int which, size_t bytes);
+    void *ctx;
+} PlainSink;
+
+/* What scan_plain_store read of one store, besides what it wrote to its sink. */
+typedef struct {
+    const unsigned char *tok_at, *tok_end; /* the token_ids value's bytes */
+    uint64_t nblocks, bs, parent, group;
+    int has_parent, has_group, group_neg;
+    const char *kind; /* kv_cache_spec_kind's bytes (not checked as UTF-8), or NULL: nil or absent */
+    uint32_t kind_n;
+} PlainStore;
+
+/* One BlockStored map at r of the plain GPU shape: int hashes (at least one),
+ * block_size > 0, token ids for every block, medium GPU or absent, no LoRA, extra keys,
+ * locality, ownership or lookahead tokens, and no field the decoder does not know
+ * (events.c's scan_gpu_batch, recframe.c's hashed payloads: one rule for both). 1, r
+ * past the map, *st set and the hashes and tokens written to the sink; 0 any other
+ * shape (r somewhere inside); -1 the sink had no room. No Python object is made. */
+static inline int
+scan_plain_store(Rd *r, PlainStore *st, const PlainSink *sink)
+{
+    uint32_t nk;
+    if (!rd_len(r, 0x80, 0x8f, 0xde, 0xdf, &nk))
+        return 0;
+    unsigned seen = 0;
+    uint64_t ntok = 0;
+    *st = (PlainStore){0};
+    for (uint32_t f = 0; f < nk; f++) {
+        const char *k, *sv;
+        uint32_t kl, sl, n;
+        uint64_t v;
+        int neg;
+        unsigned char *o;
+        if (!rd_str(r, &k, &kl))
+            return 0;
+        unsigned bitv = field_bit(k, kl);
+        if (bitv == 0 || (seen & bitv))
+            return 0; /* a field we do not know (the decoder counts it), or one twice */
+        seen |= bitv;
+        switch (bitv) {
+        case K_TYPE:
+            if (!rd_str(r, &sv, &sl) || !str_is(sv, sl, "BlockStored"))
+                return 0;
+            break;
+        case K_HASHES:
+            if (!rd_len(r, 0x90, 0x9f, 0xdc, 0xdd, &n) || n == 0 || n > (uint64_t)(r->end - r->p))
+                return 0;
+            if ((o = sink->room(sink->ctx, PS_HASHES, (size_t)n * 8)) == NULL)
+                return -1;
+            for (uint32_t i = 0; i < n; i++) {
+                if (!rd_int(r, &v, &neg) || neg)
+                    return 0; /* bytes digests, negative ints: the decoder's path */
+                put_le64(o + (size_t)i * 8, v);
+            }
+            st->nblocks = n;
+            break;
+        case K_PARENT:
+            if (rd_nil(r))
+                break;
+            if (!rd_int(r, &v, &neg) || neg)
+                return 0;
+            st->parent = v;
+            st->has_parent = 1;
+            break;
+        case K_TOKENS:
+            st->tok_at = r->p;
+            if (!rd_len(r, 0x90, 0x9f, 0xdc, 0xdd, &n) || n > (uint64_t)(r->end - r->p))
+                return 0; /* every element takes at least one byte */
+            if ((o = sink->room(sink->ctx, PS_TOKENS, (size_t)n * 4)) == NULL)
+                return -1;
+            if (!rd_token_values(r, o, n))
+                return 0;
+            ntok = n;
+            st->tok_end = r->p;
+            break;
+        case K_BS:
+            if (!rd_int(r, &v, &neg) || neg || v == 0 || v > 0x7fffffff)
+                return 0; /* 0 (a placeholder) or a bad size: the general path */
+            st->bs = v;
+            break;
+        case K_LORA_ID: /* not part of a key (lora_name is) */
+        case K_SWA:
+            if (!rd_nil(r) && !rd_int(r, &v, &neg))
+                return 0;
+            break;
+        case K_MEDIUM:
+            if (!rd_nil(r) && (!rd_str(r, &sv, &sl) || !str_is(sv, sl, "GPU")))
+                return 0;
+            break;
+        case K_LORA_NAME:
+        case K_EXTRA:
+        case K_LOCALITY:
+        case K_OWNERSHIP:
+        case K_LOOKAHEAD:
+            if (!rd_nil(r))
+                return 0;
+            break;
+        case K_GROUP:
+            if (rd_nil(r))
+                break;
+            if (!rd_int(r, &v, &neg))
+                return 0;
+            st->group = v;
+            st->group_neg = neg;
+            st->has_group = 1;
+            break;
+        case K_KIND:
+            if (rd_nil(r))
+                break;
+            if (!rd_str(r, &sv, &sl))
+                return 0;
+            st->kind = sv;
+            st->kind_n = sl;
+            break;
+        case K_SESSION:
+            if (!rd_nil(r) && !rd_str(r, &sv, &sl))
+                return 0;
+            break;
+        }
+    }
+    return (seen & K_TYPE) && (seen & K_HASHES) && (seen & K_TOKENS) && (seen & K_BS) && ntok == st->nblocks * st->bs;
 }
 
 #endif /* KVI_READER_H */

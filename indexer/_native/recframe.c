@@ -139,117 +139,48 @@ w_bin_head(Out *o, size_t n)
 
 /* ------------------------------------------------------------------ hashed payloads */
 
-/* One BlockStored map of the plain GPU shape (exactly what events.c's scan_store
- * accepts, and a block size of at least 2: recprivacy's _plain_gpu) copied to ``o``
- * with its token_ids value replaced by the block keys. ``toks``: scratch for the
- * decoded ids. 1 done, 0 another shape, -1 out of memory. */
-static int
-strip_store(Rd *r, Out *o, Out *toks, uint64_t seed)
+/* strip_store's sink: ``ctx`` is the scratch, an Out for each of PS_HASHES, PS_TOKENS. */
+static unsigned char *
+strip_room(void *ctx, int which, size_t bytes)
 {
-    const unsigned char *from = r->p, *tok_at = NULL, *tok_end = NULL;
-    uint32_t nk;
-    if (!rd_len(r, 0x80, 0x8f, 0xde, 0xdf, &nk))
+    Out *c = (Out *)ctx + which;
+    c->len = 0;
+    return room(c, bytes) ? c->buf : NULL;
+}
+
+/* One BlockStored map of the plain GPU shape (reader.h's scan_plain_store, the rule
+ * scan_gpu_batch applies; and a block size of at least 2, as recprivacy's _plain_gpu)
+ * copied to ``o`` with its token_ids value replaced by the block keys. ``scratch``: two
+ * Outs (strip_room). 1 done, 0 another shape, -1 out of memory. */
+static int
+strip_store(Rd *r, Out *o, Out *scratch, uint64_t seed)
+{
+    const unsigned char *from = r->p;
+    PlainSink sink = {strip_room, scratch};
+    PlainStore st;
+    int got = scan_plain_store(r, &st, &sink);
+    if (got <= 0)
+        return got;
+    if (st.bs < 2)
         return 0;
-    unsigned seen = 0;
-    uint64_t nblocks = 0, ntok = 0, bs = 0, v;
-    int neg;
-    for (uint32_t f = 0; f < nk; f++) {
-        const char *k, *sv;
-        uint32_t kl, sl, n;
-        if (!rd_str(r, &k, &kl))
-            return 0;
-        unsigned bitv = field_bit(k, kl);
-        if (bitv == 0 || (seen & bitv))
-            return 0;
-        seen |= bitv;
-        switch (bitv) {
-        case K_TYPE:
-            if (!rd_str(r, &sv, &sl) || !str_is(sv, sl, "BlockStored"))
-                return 0;
-            break;
-        case K_HASHES:
-            if (!rd_len(r, 0x90, 0x9f, 0xdc, 0xdd, &n) || n == 0 || n > (uint64_t)(r->end - r->p))
-                return 0;
-            for (uint32_t i = 0; i < n; i++)
-                if (!rd_int(r, &v, &neg) || neg)
-                    return 0;
-            nblocks = n;
-            break;
-        case K_PARENT:
-            if (!rd_nil(r) && (!rd_int(r, &v, &neg) || neg))
-                return 0;
-            break;
-        case K_TOKENS:
-            tok_at = r->p;
-            if (!rd_len(r, 0x90, 0x9f, 0xdc, 0xdd, &n) || n > (uint64_t)(r->end - r->p))
-                return 0;
-            toks->len = 0;
-            if (!room(toks, (size_t)n * 4))
-                return -1;
-            if (!rd_token_values(r, toks->buf, n))
-                return 0;
-            toks->len = (size_t)n * 4;
-            ntok = n;
-            tok_end = r->p;
-            break;
-        case K_BS:
-            if (!rd_int(r, &v, &neg) || neg || v == 0 || v > 0x7fffffff)
-                return 0;
-            bs = v;
-            break;
-        case K_LORA_ID:
-        case K_SWA:
-            if (!rd_nil(r) && !rd_int(r, &v, &neg))
-                return 0;
-            break;
-        case K_MEDIUM:
-            if (!rd_nil(r) && (!rd_str(r, &sv, &sl) || !str_is(sv, sl, "GPU")))
-                return 0;
-            break;
-        case K_LORA_NAME:
-        case K_EXTRA:
-        case K_LOCALITY:
-        case K_OWNERSHIP:
-        case K_LOOKAHEAD:
-            if (!rd_nil(r))
-                return 0;
-            break;
-        case K_GROUP:
-            if (!rd_nil(r) && !rd_int(r, &v, &neg))
-                return 0;
-            break;
-        case K_KIND: /* ASCII only: what is not is left to the general path, which checks UTF-8 */
-            if (rd_nil(r))
-                break;
-            if (!rd_str(r, &sv, &sl))
-                return 0;
-            for (uint32_t i = 0; i < sl; i++)
-                if ((unsigned char)sv[i] >= 0x80)
-                    return 0;
-            break;
-        case K_SESSION:
-            if (!rd_nil(r) && !rd_str(r, &sv, &sl))
-                return 0;
-            break;
-        }
-    }
-    if (!(seen & K_TYPE) || !(seen & K_HASHES) || !(seen & K_TOKENS) || !(seen & K_BS) || bs < 2 ||
-        ntok != nblocks * bs)
-        return 0;
-    if (!put(o, from, (size_t)(tok_at - from)) || !w_bin_head(o, (size_t)nblocks * 8) || !room(o, nblocks * 8))
+    for (uint32_t i = 0; i < st.kind_n; i++)
+        if ((unsigned char)st.kind[i] >= 0x80)
+            return 0; /* not ASCII: the general path, which checks UTF-8 as the decoder does */
+    if (!put(o, from, (size_t)(st.tok_at - from)) || !w_bin_head(o, (size_t)st.nblocks * 8) ||
+        !room(o, st.nblocks * 8))
         return -1;
-    size_t step = (size_t)bs * 4;
-    for (uint64_t i = 0; i < nblocks; i++) {
-        put_le64(o->buf + o->len, kvi_xxh3_64(toks->buf + i * step, step, seed));
+    size_t step = (size_t)st.bs * 4;
+    for (uint64_t i = 0; i < st.nblocks; i++) {
+        put_le64(o->buf + o->len, kvi_xxh3_64(scratch[PS_TOKENS].buf + i * step, step, seed));
         o->len += 8;
     }
-    return put(o, tok_end, (size_t)(r->p - tok_end)) ? 1 : -1;
+    return put(o, st.tok_end, (size_t)(r->p - st.tok_end)) ? 1 : -1;
 }
 
 /* A batch (``[ts, events]`` or ``[ts, events, dp_rank]``) of plain GPU stores, each
  * stripped (strip_store), to ``o``: 1; 0 any other batch; -1 out of memory. */
 static int
-strip_batch(const unsigned char *p, size_t n, Out *o, Out *toks, uint64_t seed)
+strip_batch(const unsigned char *p, size_t n, Out *o, Out *scratch, uint64_t seed)
 {
     Rd r = {p, p + n};
     uint32_t nb, ne;
@@ -265,7 +196,7 @@ strip_batch(const unsigned char *p, size_t n, Out *o, Out *toks, uint64_t seed)
     if (!put(o, p, (size_t)(r.p - p)))
         return -1;
     for (uint32_t i = 0; i < ne; i++) {
-        int st = strip_store(&r, o, toks, seed);
+        int st = strip_store(&r, o, scratch, seed);
         if (st <= 0)
             return st;
     }
@@ -368,13 +299,13 @@ read_apply(PyObject *rec, Apply *a, double **times, size_t *nt, size_t *cap)
  * of length and checksum): 1; 0 the payload is not of the plain shape (hashed mode),
  * ``out`` as it was; -1 out of memory. */
 static int
-frame_apply(const Apply *a, const double *times, int hashed, uint64_t seed, Out *out, Out *pl, Out *toks)
+frame_apply(const Apply *a, const double *times, int hashed, uint64_t seed, Out *out, Out *pl, Out *scratch)
 {
     const unsigned char *payload = (const unsigned char *)a->payload;
     size_t payload_n = (size_t)a->payload_n;
     if (hashed) {
         pl->len = 0;
-        int st = strip_batch(payload, payload_n, pl, toks, seed);
+        int st = strip_batch(payload, payload_n, pl, scratch, seed);
         if (st <= 0)
             return st;
         payload = pl->buf;
@@ -465,13 +396,13 @@ frame_applies(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t n = 0;
     while (as != NULL && start + n < total && read_apply(PyList_GET_ITEM(records, start + n), &as[n], &times, &nt, &tcap))
         n++;
-    Out out = {0}, pl = {0}, toks = {0};
+    Out out = {0}, pl = {0}, scratch[2] = {{0}};
     Py_ssize_t done = 0;
     size_t written = 0;
     int st = 1, err = 0;
     Py_BEGIN_ALLOW_THREADS
     for (; done < n; done++) {
-        st = frame_apply(&as[done], times, hashed, seed, &out, &pl, &toks);
+        st = frame_apply(&as[done], times, hashed, seed, &out, &pl, scratch);
         if (st <= 0)
             break;
         if (out.len >= WRITE_AT) {
@@ -500,7 +431,8 @@ frame_applies(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
     free(times);
     free(out.buf);
     free(pl.buf);
-    free(toks.buf);
+    free(scratch[0].buf);
+    free(scratch[1].buf);
     return res;
 }
 
