@@ -260,6 +260,12 @@ class Recorder:
         what is before it first. Runs of applies go to the compiled framer, which holds
         the GIL only to read their fields; the rest is encoded here."""
         bodies: list[bytes] = []  # encoded here, not framed yet
+
+        def framed() -> None:  # the bodies encoded so far onto out, in order
+            if bodies:
+                out.append(_frames(bodies))
+                bodies.clear()
+
         fast = _frame_applies if self.tokens != "none" else None
         hashed = self.tokens == "hashed"
         i, n = 0, len(chunk)
@@ -267,9 +273,7 @@ class Recorder:
             item = chunk[i]
             kind = item[0]
             if kind == "flush" or kind == "base":
-                if bodies:
-                    out.append(_frames(bodies))
-                    bodies = []
+                framed()
                 self._write(out)
                 if kind == "flush":
                     item[1].set()
@@ -281,9 +285,7 @@ class Recorder:
                 i += 1
                 continue
             if fast is not None and self._file is not None and kind in (APPLY, APPLY_SEQUENCED):
-                if bodies:
-                    out.append(_frames(bodies))
-                    bodies = []
+                framed()
                 self._write(out)  # what is before the run goes first: the framer writes to the file itself
                 nxt, written = fast(chunk, i, hashed, KEY_SEED, self._file.fileno())
                 if nxt > i:
@@ -294,8 +296,7 @@ class Recorder:
                     continue
             bodies.append(self._encode(item))
             i += 1
-        if bodies:
-            out.append(_frames(bodies))
+        framed()
 
     def _encode(self, item: tuple[Any, ...]) -> bytes:
         kind = item[0]
