@@ -266,12 +266,18 @@ class Run:
             wall = time.perf_counter() - t
             stats = self.figures()
             outcomes: dict[str, int] = {}
+            lags: list[float] = []
             for port in self.ports:  # how the services' routed requests ended
                 st, doc = self.pool.call(port, "GET", "/v1/stats")
                 for k, v in ((doc or {}).get("in_flight") or {}).get("outcomes", {}).items():
                     outcomes[k] = outcomes.get(k, 0) + v
+                sync = (doc or {}).get("route_sync")
+                if sync:
+                    lags.append(sync["lag_mean_ms"])
             if outcomes:
                 stats["outcomes"] = outcomes
+            if lags:
+                stats["sync_lag_mean_ms"] = statistics.fmean(lags)
             stats["wall_s"] = wall
             if self.args.keep_logs:
                 for s in svcs:
@@ -398,6 +404,7 @@ def main() -> None:
                   f"{s['cached_share']:.2%}  route p50/p99 {s['rtt_p50_ms']:.1f}/{s['rtt_p99_ms']:.1f} ms  "
                   f"dispatch lag p99 {s['lag_p99_ms']:.1f} ms  ({s['wall_s']:.0f} s)"
                   + (f"  estimate-true mean {ee['mean']:+,.0f} p10/p90 {ee['p10']:+,}/{ee['p90']:+,}" if ee else "")
+                  + (f"  sync lag mean {s['sync_lag_mean_ms']:.1f} ms" if "sync_lag_mean_ms" in s else "")
                   + ("  DISTURBED: the driver fell behind the trace (another process took the CPU?)"
                      if s["lag_p99_ms"] > 50 else ""), flush=True)
         runs.append(got)

@@ -181,7 +181,8 @@ class RouteSync(Background):
                 "slot": list(self.views.members),
                 "peers": {o: {"name": p.name, "last_seen_s": round(now - p.seen, 3), "told": len(p.heard.ids)}
                           for o, p in sorted(self.views.peers.items())},
-                "held": self.index.held_by_origin(), "counters": dict(self.counters), "bad": dict(self.views.bad)}
+                "held": self.index.held_by_origin(), "counters": dict(self.counters), "bad": dict(self.views.bad),
+                "lag_mean_ms": round(self.views.lag_sum / max(1, sum(self.views.lag)) * 1000, 3)}
 
     # ------------------------------------------------------------ lifecycle
 

@@ -15,7 +15,18 @@ from typing import TYPE_CHECKING, Any
 from indexer._native import core as _core
 from indexer.query.answers import MatchResult
 from indexer.query.prefixes import Prefixes
-from indexer.query.route import BODY, DICTS, STRUCTS, Load, Ranking, RouteBody, RouteResponse, rank
+from indexer.query.route import (
+    BODY,
+    DICTS,
+    KEEP,
+    STRUCTS,
+    Load,
+    Ranking,
+    RouteBody,
+    RouteResponse,
+    rank,
+    spread_unseen,
+)
 from indexer.store.journal import (
     CORRECT_LOAD,
     MATCH,
@@ -194,11 +205,28 @@ class Query(Prefixes):
             m.rank()  # the rows' positions are the (engine, dp_rank) order the ranking ties by
         known = m.rows  # the workers' table
         inf = self.inflight
-        inf.expire(self._clock())
+        now = self._clock()
+        inf.expire(now)
         busy = inf.prefill or inf.decode or inf.engine_extra  # else: nothing to ask per worker
+        in_flight = inf.loads() if busy else None
+        unseen = inf.unseen(now) if not load and inf.peer_pace else None
         ranking = rank(res, known, load=load, candidates=candidates, prefill_load_scale=prefill_load_scale,
-                       link=link, in_flight=inf.loads() if busy else None, index_load=True, structs=form >= STRUCTS,
-                       tie_slot=self.tie_slot, body=form == BODY)
+                       link=link, in_flight=in_flight, index_load=True, structs=form >= STRUCTS,
+                       tie_slot=self.tie_slot, body=form == BODY, head=len(unseen) + 1 if unseen else KEEP)
+        if unseen:
+            # Other replicas are likely routing unseen at this instant: weigh their decisions
+            # (InFlight.unseen), and rank again when that moves the best.
+            extra = spread_unseen(ranking.ranked, ranking.structs, unseen, res.query_blocks,
+                                  res.block_size, prefill_load_scale)  # type: ignore[arg-type]
+            if extra:
+                spread = dict(in_flight) if in_flight else {}
+                for w, tok in extra.items():
+                    pre, dec = spread.get(w, (0, 0))
+                    spread[w] = (pre + tok, dec)
+                inf.counters["spread"] += 1
+                ranking = rank(res, known, load=load, candidates=candidates, prefill_load_scale=prefill_load_scale,
+                               link=link, in_flight=spread, index_load=True, structs=form >= STRUCTS,
+                               tie_slot=self.tie_slot, body=form == BODY)
         rid = None
         if record:
             bs: int = res.block_size  # type: ignore[assignment]  # set just above when None

@@ -4,7 +4,7 @@ view, this replica's own out, each call under the index's lock (a mixin of
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from indexer.store.flight import FlightListener, NoListener
@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     import threading
 
     from indexer.store.inflight import InFlight
+    from indexer.store.state import WorkerState
 
 __all__ = ["Peers"]
 
@@ -26,6 +27,9 @@ class Peers:
         _lock: threading.Lock
         inflight: InFlight
         _rec: Journal | None
+        _workers: dict[tuple[str, int], WorkerState]
+
+        def _resident_on(self, w: WorkerState) -> Callable[[Sequence[int]], bool] | None: ...
 
     @property
     def origin(self) -> str:
@@ -47,8 +51,16 @@ class Peers:
             return self._adopt_peer(origin, entries)
 
     def _adopt_peer(self, origin: str, entries: Iterable[PeerEntry]) -> int:
-        adopt = self.inflight.adopt
-        return sum(adopt(origin, e) for e in entries)
+        adopt, workers = self.inflight.adopt, self._workers
+        resident: dict[tuple[str, int], Callable[[Sequence[int]], bool] | None] = {}
+        n = 0
+        for e in entries:
+            key = (e.engine, e.dp_rank)
+            if key not in resident:
+                w = workers.get(key)
+                resident[key] = self._resident_on(w) if w is not None else None
+            n += adopt(origin, e, resident[key])
+        return n
 
     def end_peer(self, ends: Iterable[tuple[str, bool]]) -> int:
         """``(request id, whole)`` a peer says ended; returns how many were open here."""

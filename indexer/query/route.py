@@ -25,7 +25,7 @@ from indexer._native import core as _core
 from indexer.query.answers import MatchResult, Row, WorkerMatch
 from indexer.wire.engines import parse_worker
 
-__all__ = ["Load", "LoadOut", "RankedOut", "RouteBody", "RouteResponse", "Ranking", "rank", "route"]
+__all__ = ["Load", "LoadOut", "RankedOut", "RouteBody", "RouteResponse", "Ranking", "rank", "route", "spread_unseen"]
 
 # How a ranking writes its entries (``Query._route_keys``' ``form``): the library's dicts,
 # msgspec structs, or the answer's JSON bytes with only the first KEEP entries as structs.
@@ -260,6 +260,7 @@ def rank(
     structs: bool = False,
     tie_slot: tuple[int, int] = (0, 1),
     body: bool = False,
+    head: int = KEEP,
 ) -> Ranking:
     """:func:`route`'s decision as a :class:`Ranking` (its entries as :class:`RankedOut`
     with ``structs``), for the caller to write out with or without a request id. With
@@ -270,7 +271,8 @@ def rank(
 
     ``known`` may also be a model's rows (``ModelState.rows``: ``(engine, dp_rank,
     freshness, position)``, None for a removed worker), read as they are: the index's
-    own table of its workers, with no list made per route."""
+    own table of its workers, with no list made per route. ``head``: with ``body``, how
+    many entries are kept as structs (at least :data:`KEEP`)."""
     slot, of = tie_slot
     if not 0 <= slot < of:
         raise ValueError(f"tie_slot must be (slot, of) with 0 <= slot < of, not {tie_slot!r}")
@@ -308,7 +310,7 @@ def rank(
     used: set[str] = set()
     args: tuple[Any, ...] = (cands, res.workers, pred, load or None, used, in_flight or None, link,
                              res.query_blocks, res.block_size or 0, prefill_load_scale, idle, entry_cls, load_cls,
-                             slot, of, KEEP if body else None)
+                             slot, of, max(head, KEEP) if body else None)
     got = _core.rank(*args) if _core is not None else None
     if got is None:  # no compiled core, or a value only Python ranks exactly (see ranking.c)
         used.clear()
@@ -321,6 +323,45 @@ def rank(
     if not ranked:
         raise LookupError(f"no workers to route to for model {res.model!r}")
     return Ranking(res.model, ranked, best, top_score, sorted(set(load) - used) if load else [], structs, json)
+
+
+def spread_unseen(ranked: list[Any], structs: bool, unseen: list[float], query_blocks: int, block_size: int,
+                  scale: float) -> dict[tuple[str, int], int]:
+    """The prefill tokens to add to the load of some of ``ranked``'s first entries (a
+    ranking with no caller load, best first) so that its best is where this request
+    would go after the decisions other replicas are likely taking unseen right now
+    (``InFlight.unseen``: per replica ranked before this one, how many). Each such
+    decision is taken as one like this request's, on the best worker at that point,
+    adding its uncached blocks there (times its weight); empty when the best stays the
+    best. Only the first ``len(unseen) + 1`` entries can be chosen, so only they are
+    read. Changes nothing."""
+    n = min(len(ranked), len(unseen) + 1)
+    if n < 2:
+        return {}
+    top = ranked[:n]
+    if structs:
+        cost = [e.cost for e in top]
+        uncached = [max(query_blocks - e.score, 0.0) for e in top]
+        never = [e.connected is False for e in top]
+    else:
+        cost = [e["cost"] for e in top]
+        uncached = [max(query_blocks - e["score"], 0.0) for e in top]
+        never = [e["connected"] is False for e in top]
+    if any(never):
+        return {}  # a worker that is not connected: not a place to spread to
+    added = [0.0] * n
+    for weight in unseen:
+        i = min(range(n), key=cost.__getitem__)  # the first of equals: the ranking's order
+        cost[i] += scale * weight * uncached[i]
+        added[i] += weight * uncached[i]
+    if min(range(n), key=cost.__getitem__) == 0:
+        return {}
+    out = {}
+    for e, a in zip(top, added):
+        if a:
+            key = (e.engine, e.dp_rank) if structs else (e["engine"], e["dp_rank"])
+            out[key] = round(a * block_size)
+    return out
 
 
 # Load keys already checked: a fleet's names repeat from one route to the next, and

@@ -7,7 +7,7 @@ called under the index lock."""
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from indexer.sequence.sequencer import DUPLICATE, GAP, RESTART, classify
@@ -161,9 +161,16 @@ class Store(Placement):
         key = (w.engine, w.dp_rank)
         if key not in self.inflight.pending:
             return
+        resident = self._resident_on(w)
+        if resident is not None:
+            self.inflight.check_announced(key, resident)
+
+    def _resident_on(self, w: WorkerState) -> Callable[[Sequence[int]], bool] | None:
+        """A test of whether ``w`` holds every one of some block keys on GPU (the headline
+        group's, as a routed prompt's are), or None while its model has no tree."""
         m = self._models[w.model]
         if not m.trees:
-            return
+            return None
         root = m.trees[m.default_groups()[0]].root
         bit = w.bit
 
@@ -171,7 +178,7 @@ class Store(Placement):
             d, _, active, _ = walk(root, (keys,), False)
             return d == len(keys) and bool(active & bit)
 
-        self.inflight.check_announced(key, resident)
+        return resident
 
     def _bad_batch(self, engine: str, model: str, dp_rank: int | None, seq: int | None,
                    reason: str) -> tuple[str, None]:

@@ -33,6 +33,7 @@ def dump_flight(inf: InFlight) -> dict[str, Any]:
         "engine_max_age_s": inf.engine_max_age_s,
         "rate": [[w[0], w[1], v] for w, v in inf.rate.items()],
         "last_announce": [[w[0], w[1], v] for w, v in inf.last_announce.items()],
+        "pace": [[o, t, g] for o, (t, g) in inf.peer_pace.items()],
         "ended": list(inf._ended), "mean": [inf._mean_prefill, inf._mean_decode], "counters": dict(inf.counters),
     }
 
@@ -57,7 +58,7 @@ def load_flight(inf: InFlight, d: dict[str, Any]) -> None:
             inf.by_origin.setdefault(origin, {})[rid] = r
         if p_open:
             inf._mark(r)
-            inf.pending.setdefault(r.worker, []).append(r)
+            inf._queue(r)
             inf.prefill[r.worker] = inf.prefill.get(r.worker, 0) + pre
         if d_open:
             inf.decode[r.worker] = inf.decode.get(r.worker, 0) + dec
@@ -67,6 +68,7 @@ def load_flight(inf: InFlight, d: dict[str, Any]) -> None:
     inf.engine_max_age_s = d["engine_max_age_s"]
     inf.rate = {(e, r): v for e, r, v in d["rate"]}
     inf.last_announce = {(e, r): v for e, r, v in d["last_announce"]}
+    inf.peer_pace = {o: (t, g) for o, t, g in d.get("pace", ())}  # a recording before it: none
     inf._ended = dict.fromkeys(d["ended"])
     inf._mean_prefill, inf._mean_decode = d["mean"]
     inf.counters.update(d["counters"])

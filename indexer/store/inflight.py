@@ -28,6 +28,7 @@ from __future__ import annotations
 import heapq
 import os
 from array import array
+from bisect import insort
 from collections.abc import Callable, Iterable, Sequence
 
 from indexer.store.flight import NO_KEYS, FlightListener, NoListener, WorkerKey
@@ -56,6 +57,10 @@ def _common(edge: array[int], keys: Sequence[int], i: int) -> int:
     while m < n and edge[m] == keys[i + m]:
         m += 1
     return m
+
+def _routed_at(req: _Req) -> float:
+    return req.t
+
 
 # Announcement checks per applied batch and worker: FIFO engines announce in routing
 # order, so the oldest few pending requests are the ones that can have ended.
@@ -87,11 +92,19 @@ class InFlight(PeerFlight):
     replicas' requests come in through :class:`~.peerflight.PeerFlight`."""
 
     def __init__(self, *, prefill_ttl_s: float = 30.0, decode_ttl_s: float = 300.0,
-                 max_in_flight: int = 20_000, clock: Callable[[], float]) -> None:
+                 max_in_flight: int = 20_000, contention_window_s: float = 0.0,
+                 clock: Callable[[], float]) -> None:
         if not prefill_ttl_s > 0 or not decode_ttl_s > 0:
             raise ValueError("prefill_ttl_s and decode_ttl_s must be > 0")
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
+        if not 0 <= contention_window_s < 60:
+            raise ValueError("contention_window_s must be >= 0 and < 60")
+        # How long another replica's decision can go unseen here (its trip over route
+        # sync plus one of our routes): see unseen().
+        self.contention_window_s = float(contention_window_s)
+        # Per other replica: (routing time of its latest decision, the gap before it).
+        self.peer_pace: dict[str, tuple[float, float]] = {}
         self.prefill_ttl_s = float(prefill_ttl_s)
         self.decode_ttl_s = float(decode_ttl_s)
         self.max_in_flight = int(max_in_flight)
@@ -119,8 +132,8 @@ class InFlight(PeerFlight):
         self._mean_decode = 0.0
         self.nodes = 0  # trie nodes, all models
         self.counters = {"recorded": 0, "announced": 0, "prefill_expired": 0, "done": 0, "decode_expired": 0,
-                         "evicted": 0, "forgotten": 0, "engine_done": 0, "adopted": 0, "peer_ended": 0,
-                         "peer_dropped": 0}
+                         "evicted": 0, "forgotten": 0, "engine_done": 0, "adopted": 0,
+                         "adopted_announced": 0, "peer_ended": 0, "peer_dropped": 0, "spread": 0}
         self._heap: list[tuple[float, int, bool, _Req]] = []  # (deadline, n, is_prefill, request)
         self._n = 0
         self._n_heap = 0  # tie-breaker of the deadline heap (peers' requests too)
@@ -171,7 +184,7 @@ class InFlight(PeerFlight):
         self._n_heap += 1
         if req.prefill_open:
             self._mark(req)
-            self.pending.setdefault(worker, []).append(req)
+            self._queue(req)
             self.prefill[worker] = self.prefill.get(worker, 0) + req.prefill_tokens
             heapq.heappush(self._heap, (req.expiry, self._n_heap, True, req))
         if req.decode_open:
@@ -185,6 +198,42 @@ class InFlight(PeerFlight):
             return False
         heapq.heappush(self._heap, (decode_deadline, self._n_heap, False, req))
         return True
+
+    def _queue(self, req: _Req) -> None:
+        """Put ``req`` among its worker's pending prefills, in routing order."""
+        pend = self.pending.setdefault(req.worker, [])
+        if pend and req.t < pend[-1].t:
+            # A peer's decision, routed before ours that are here already: the engine
+            # queues in arrival order, so the head (the one in prefill) is the oldest.
+            insort(pend, req, key=_routed_at)
+        else:
+            pend.append(req)
+
+    def unseen(self, now: float) -> list[float]:
+        """How many decisions each other replica before this one (in origin order, the
+        order of their tie slots) is likely taking right now, unseen here: ``window /
+        max(its last gap between decisions, time since its last one, window)``, at most
+        1, for those above 0.05. Empty with no window or no such replica. Reads only.
+
+        Replicas that route in the same instant cannot see each other's decisions: in
+        a burst each would send its request to the worker that is best before any of
+        them, where one router would have spread the burst. A route that weighs, for
+        each replica ranked before it, that many requests like its own placed on the
+        best workers first (:func:`indexer.query.route.spread_unseen`) makes the
+        replicas of a burst take the workers one router would, in slot order. A replica
+        that routed its last request a while ago, or routes far apart, weighs ~0."""
+        w = self.contention_window_s
+        if not w or not self.peer_pace:
+            return []
+        own = self.origin
+        out = []
+        for origin, (last, gap) in sorted(self.peer_pace.items()):
+            if origin >= own:
+                break
+            e = w / max(gap, now - last, w)
+            if e > 0.05:
+                out.append(e)
+        return out
 
     def _mark(self, req: _Req) -> None:
         """Count ``req`` on every node its keys cover, splitting edges where it diverges

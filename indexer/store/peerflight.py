@@ -15,12 +15,14 @@ late, is ignored.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from indexer.store.flight import FlightListener, FlightRequest, WorkerKey
 
 __all__ = ["PeerEntry", "PeerFlight"]
+
+_FAR = 1e9  # the gap before a replica's first decision heard: none yet
 
 
 class PeerEntry(NamedTuple):
@@ -45,6 +47,8 @@ class PeerFlight:
 
     if TYPE_CHECKING:
         clock: Callable[[], float]
+        contention_window_s: float
+        peer_pace: dict[str, tuple[float, float]]
         prefill_ttl_s: float
         decode_ttl_s: float
         requests: dict[str, FlightRequest]
@@ -63,17 +67,32 @@ class PeerFlight:
         def _end(self, req: FlightRequest, why: str) -> None: ...
         def _prefill_ended(self, req: FlightRequest, why: str) -> None: ...
 
-    def adopt(self, origin: str, e: PeerEntry) -> bool:
+    def adopt(self, origin: str, e: PeerEntry,
+              resident: Callable[[Sequence[int]], bool] | None = None) -> bool:
         """Hold peer ``origin``'s request ``e`` as if routed here ``e.age`` s ago (its TTLs
         count from then). False, changing nothing, when it is known, ended already, ours,
-        or nothing of it is still open by our TTLs."""
+        or nothing of it is still open by our TTLs.
+
+        ``resident`` (keys -> on the worker's GPU): its prefill is over when the worker
+        has announced its blocks already. A decision can reach us after its engine's
+        announcement (a short prefill, a lagging bus), and no batch of that worker may
+        come for a while to end it; held open, it would count as queued load."""
         rid = e.rid
         if rid in self.requests or rid in self._ended or origin == self.origin or not origin:
             return False
         now = self.clock()
         self.expire(now)
         t = now - max(0.0, e.age)
+        if self.contention_window_s and e.age < 1.0:  # a decision told as taken, not a list fetched later
+            pace = self.peer_pace.get(origin)
+            if pace is None:
+                self.peer_pace[origin] = (t, _FAR)
+            elif t > pace[0]:
+                self.peer_pace[origin] = (t, t - pace[0])
         prefill_open = e.prefill_open and len(e.keys) > 0 and t + self.prefill_ttl_s > now
+        if prefill_open and resident is not None and resident(e.keys):
+            prefill_open = False
+            self.counters["adopted_announced"] += 1
         decode_open = e.decode_open and e.decode_blocks > 0 and t + self.decode_ttl_s > now
         if not (prefill_open or decode_open):
             return False
@@ -125,6 +144,8 @@ class PeerFlight:
         """End peer ``origin``'s requests here, quietly, except those named in ``keep``
         (a reconciliation with the peer's own list); all of them when the peer left or
         died. Returns how many ended."""
+        if keep is None:
+            self.peer_pace.pop(origin, None)
         theirs = self.by_origin.get(origin)
         if not theirs:
             return 0

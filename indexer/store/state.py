@@ -222,6 +222,7 @@ class IndexState:
         decode_ttl_s: float = 300.0,
         max_in_flight: int = 20_000,
         default_block_size: int = 16,
+        contention_window_s: float = 0.0,
         clock: Callable[[], float] = _now,
     ) -> None:
         self.credits = {k.upper(): float(v) for k, v in (DEFAULT_CREDITS if credits is None else credits).items()}
@@ -247,7 +248,7 @@ class IndexState:
         # (vLLM's default); a model that turns out otherwise just finds no prediction.
         self.default_block_size = int(default_block_size)
         self.inflight = InFlight(prefill_ttl_s=prefill_ttl_s, decode_ttl_s=decode_ttl_s, max_in_flight=max_in_flight,
-                                 clock=clock)
+                                 contention_window_s=contention_window_s, clock=clock)
         # This router's place among the replicas routing the same fleet, (slot, of): where a
         # route's ties start (PrefixIndex.set_tie_slot); (0, 1) is one router.
         self.tie_slot = (0, 1)
@@ -439,7 +440,7 @@ class IndexState:
                 "max_groups": self.max_groups, "max_tiers": self.max_tiers,
                 "predicted_credit": self.predicted_credit, "prefill_ttl_s": inf.prefill_ttl_s,
                 "decode_ttl_s": inf.decode_ttl_s, "max_in_flight": inf.max_in_flight,
-                "default_block_size": self.default_block_size}
+                "default_block_size": self.default_block_size, "contention_window_s": inf.contention_window_s}
 
     @property
     def tier_names(self) -> tuple[str, ...]:
