@@ -209,32 +209,6 @@ class InFlight(PeerFlight):
         else:
             pend.append(req)
 
-    def unseen(self, now: float) -> list[float]:
-        """How many decisions each other replica before this one (in origin order, the
-        order of their tie slots) is likely taking right now, unseen here: ``window /
-        max(its last gap between decisions, time since its last one, window)``, at most
-        1, for those above 0.05. Empty with no window or no such replica. Reads only.
-
-        Replicas that route in the same instant cannot see each other's decisions: in
-        a burst each would send its request to the worker that is best before any of
-        them, where one router would have spread the burst. A route that weighs, for
-        each replica ranked before it, that many requests like its own placed on the
-        best workers first (:func:`indexer.query.route.spread_unseen`) makes the
-        replicas of a burst take the workers one router would, in slot order. A replica
-        that routed its last request a while ago, or routes far apart, weighs ~0."""
-        w = self.contention_window_s
-        if not w or not self.peer_pace:
-            return []
-        own = self.origin
-        out = []
-        for origin, (last, gap) in sorted(self.peer_pace.items()):
-            if origin >= own:
-                break
-            e = w / max(gap, now - last, w)
-            if e > 0.05:
-                out.append(e)
-        return out
-
     def _mark(self, req: _Req) -> None:
         """Count ``req`` on every node its keys cover, splitting edges where it diverges
         or ends inside one; its unshared rest becomes one new node."""
@@ -375,28 +349,6 @@ class InFlight(PeerFlight):
             if pre or dec:
                 out[w] = (pre, dec)
         return out
-
-    def correct(self, worker: WorkerKey, waiting: float, running: float, t: float) -> None:
-        """Correct ``worker``'s estimate with what its engine reported at ``t``: ``waiting``
-        and ``running`` requests (vLLM's gauges; a request in prefill is running).
-
-        Our requests routed to it before ``t`` that the engine no longer has (more of them
-        open than it reports) have finished: the oldest end ("engine_done"). Requests it
-        has beyond ours are other routers': they count as load, in units of a mean routed
-        request, until the next report (or ``engine_max_age_s``)."""
-        mine = [r for r in self.by_worker.get(worker, {}).values() if r.t <= t
-                and (r.prefill_open or r.decode_open)]
-        present = max(0, int(waiting)) + max(0, int(running))
-        for r in mine[: max(0, len(mine) - present)]:  # oldest first (dict order)
-            self._end(r, "engine_done")
-        n_mine = min(len(mine), present)
-        extra_waiting = max(0, int(waiting) - n_mine)
-        extra_running = max(0, present - n_mine - extra_waiting)
-        if extra_waiting or extra_running:
-            self.engine_extra[worker] = (int(extra_waiting * self._mean_prefill),
-                                         int((extra_waiting + extra_running) * self._mean_decode), t)
-        else:
-            self.engine_extra.pop(worker, None)
 
     def worker_requests(self, worker: WorkerKey) -> int:
         return len(self.by_worker.get(worker, ()))

@@ -1,4 +1,5 @@
-"""Other router replicas' requests in this replica's in-flight view.
+"""Other routers' requests in this replica's in-flight view: those other router replicas
+tell of (route sync), and those an engine reports beyond ours (:meth:`PeerFlight.correct`).
 
 Route sync (:mod:`indexer.ingest.routesync`) tells every replica what the others routed
 and what ended. :class:`PeerFlight` is the part of :class:`~.inflight.InFlight` that
@@ -52,6 +53,9 @@ class PeerFlight:
         prefill_ttl_s: float
         decode_ttl_s: float
         requests: dict[str, FlightRequest]
+        engine_extra: dict[WorkerKey, tuple[int, int, float]]
+        _mean_prefill: float
+        _mean_decode: float
         by_origin: dict[str, dict[str, FlightRequest]]
         by_worker: dict[WorkerKey, dict[str, FlightRequest]]
         counters: dict[str, int]
@@ -107,6 +111,54 @@ class PeerFlight:
         if opened:
             self.counters["adopted"] += 1
         return opened
+
+    def unseen(self, now: float) -> list[float]:
+        """How many decisions each other replica before this one (in origin order, the
+        order of their tie slots) is likely taking right now, unseen here: ``window /
+        max(its last gap between decisions, time since its last one, window)``, at most
+        1, for those above 0.05. Empty with no window or no such replica. Reads only.
+
+        Replicas that route in the same instant cannot see each other's decisions: in
+        a burst each would send its request to the worker that is best before any of
+        them, where one router would have spread the burst. A route that weighs, for
+        each replica ranked before it, that many requests like its own placed on the
+        best workers first (:func:`indexer.query.route.spread_unseen`) makes the
+        replicas of a burst take the workers one router would, in slot order. A replica
+        that routed its last request a while ago, or routes far apart, weighs ~0."""
+        w = self.contention_window_s
+        if not w or not self.peer_pace:
+            return []
+        own = self.origin
+        out = []
+        for origin, (last, gap) in sorted(self.peer_pace.items()):
+            if origin >= own:
+                break
+            e = w / max(gap, now - last, w)
+            if e > 0.05:
+                out.append(e)
+        return out
+
+    def correct(self, worker: WorkerKey, waiting: float, running: float, t: float) -> None:
+        """Correct ``worker``'s estimate with what its engine reported at ``t``: ``waiting``
+        and ``running`` requests (vLLM's gauges; a request in prefill is running).
+
+        Our requests routed to it before ``t`` that the engine no longer has (more of them
+        open than it reports) have finished: the oldest end ("engine_done"). Requests it
+        has beyond ours are other routers': they count as load, in units of a mean routed
+        request, until the next report (or ``engine_max_age_s``)."""
+        mine = [r for r in self.by_worker.get(worker, {}).values() if r.t <= t
+                and (r.prefill_open or r.decode_open)]
+        present = max(0, int(waiting)) + max(0, int(running))
+        for r in mine[: max(0, len(mine) - present)]:  # oldest first (dict order)
+            self._end(r, "engine_done")
+        n_mine = min(len(mine), present)
+        extra_waiting = max(0, int(waiting) - n_mine)
+        extra_running = max(0, present - n_mine - extra_waiting)
+        if extra_waiting or extra_running:
+            self.engine_extra[worker] = (int(extra_waiting * self._mean_prefill),
+                                         int((extra_waiting + extra_running) * self._mean_decode), t)
+        else:
+            self.engine_extra.pop(worker, None)
 
     def end_peer(self, rid: str, whole: bool) -> bool:
         """A peer says request ``rid`` ended (its prefill only, unless ``whole``): end it
