@@ -150,3 +150,28 @@ def test_R_SYNC_1_a_peers_request_queues_before_later_ones_of_this_replica():
     mine = idx.route(toks(30_000, 8, BS), candidates=["e0/0"])["request_id"]
     idx.adopt_peer("r0", [entry("r0-3", "e0", toks(40_000, 4, BS), 0.010)])  # routed 10 ms ago
     assert [r.id for r in idx.inflight.pending[("e0", 0)]] == ["r0-3", mine]
+
+
+def test_R_SYNC_8_a_recording_of_a_replica_weighing_its_peers_replays_to_the_same_answers(tmp_path):
+    from indexer.ingest.record import Recorder
+    from indexer.ingest.replay import describe, replay
+
+    clock = FakeClock(1000.0)
+    idx = replica("r2", clock, ["r0", "r1"])  # its pace and load go in the recording's base
+    rec = Recorder(str(tmp_path))
+    rec.attach(idx)
+    answers = []
+    for i in range(8):
+        clock.advance(0.002)
+        for o in ("r0", "r1"):  # the others keep deciding, 2 ms apart
+            idx.adopt_peer(o, [entry(f"{o}-{10 + i}", "e3", None, 0.0)])
+        answers.append(idx.route(toks(60_000 + 1000 * i, 8, BS))["worker"])
+    clock.advance(0.5)  # quiet: weighs nothing
+    answers.append(idx.route(toks(90_000, 8, BS))["worker"])
+    rec.stop()
+    assert idx.inflight.counters["spread"] >= 4  # weighing changed where these went
+    assert rec.stats()["errors"] == {}
+    rep = replay(str(tmp_path))
+    assert rep.mismatch is None, describe(rep)
+    assert rep.answers == len(answers) and rep.reproduced == rep.answers
+    assert rep.index.inflight.peer_pace == idx.inflight.peer_pace
