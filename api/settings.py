@@ -159,7 +159,8 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     record_max_age_s: Annotated[float, Meta(description=(
         "seconds of recording kept at most (older segments deleted); 0 = no age cap"))] = 0.0
     record_segment_bytes: Annotated[int, Meta(description=(
-        "a recording segment is closed past this size (each begins with the index's state)"))] = 64 << 20
+        "a recording segment is closed once what follows its base passes this size (each begins with the "
+        "index's state, not counted: at 10^7 entries that base is ~265 MB)"))] = 64 << 20
     record_segment_s: Annotated[float, Meta(description=(
         "a recording segment is closed past this age, in seconds"))] = 600.0
     record_tokens: Annotated[str, Meta(description=(

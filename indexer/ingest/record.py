@@ -79,7 +79,10 @@ class Recorder:
         Caps on the whole recording: beyond, the oldest segments are deleted (counted);
         ``max_age_s`` 0 keeps segments of any age. The current segment is never deleted.
     segment_bytes, segment_s:
-        A segment is closed and the next one (with its own base) begun past either.
+        A segment is closed and the next one (with its own base) begun once what follows
+        its base passes ``segment_bytes``, or past ``segment_s``. Not counting the base:
+        the base of a large index (~27 B an entry: 265 MB at 10^7) can be larger than a
+        segment, and counted, it made every write begin a new segment with a whole dump.
     tokens:
         ``"hashed"`` (default), ``"full"`` or ``"none"``: what is kept of prompts and of
         the payloads' token ids (:mod:`.recprivacy`).
@@ -335,13 +338,12 @@ class Recorder:
         f = open(path, "wb", buffering=0)  # noqa: SIM115  # kept open across writes; closed by _close_file
         self._file = f
         self._seg_start = time.monotonic()
-        self._seg_bytes = 0
+        self._seg_bytes = 0  # what follows the base (the base is counted in bytes_written only)
         self.segments_started += 1
         self._want_base = False
         head = dict(head, segment=self._seg_n, ops=self.records)
         data = MAGIC + frame(_enc.encode(["base", head, snap, flight, exact]))
         _write_all(f, data)
-        self._seg_bytes += len(data)
         self.bytes_written += len(data)
         self._enforce_caps()
 

@@ -12,7 +12,7 @@ import time
 import msgspec
 import pytest
 
-from evkit import FakeClock, removed, store, toks
+from evkit import FakeClock, apply, removed, store, toks
 from indexer import PrefixIndex
 from indexer.ingest.recfile import segments
 from indexer.ingest.record import Recorder
@@ -174,6 +174,27 @@ def test_damaged_segment_reported_with_offset_then_next_base(tmp_path):
     os.truncate(segs[-1][2], os.path.getsize(segs[-1][2]) - 3)  # a torn last frame
     rep2 = replay(str(tmp_path))
     assert any("truncated" in d.reason and d.path == segs[-1][2] for d in rep2.damage)
+
+
+def test_a_base_larger_than_a_segment_does_not_begin_a_segment_per_write(tmp_path):
+    """A segment's size counts what follows its base: an index whose state alone is larger
+    than a segment keeps one segment until its calls fill one (counted with the base, every
+    write began a new segment with a whole dump of the index)."""
+    idx = PrefixIndex(clock=FakeClock())
+    for i in range(64):  # 1,024 blocks: a base of tens of KB
+        apply(idx, [store(toks(10_000 * i, 16, BS), BS, 0, 16)], engine="e0")
+    rec = Recorder(str(tmp_path), segment_bytes=8192, max_bytes=1 << 30, flush_s=0.001)
+    rec.attach(idx)
+    rec.start()  # the writer thread: it checks the segment's size after each wake
+    for i in range(10):
+        idx.match(toks(10_000 * i, 16, BS))
+        rec.flush()  # written: a chance to rotate each time, and the writer wakes every 1 ms
+    rec.stop()
+    segs = segments(str(tmp_path))
+    assert os.path.getsize(segs[0][2]) > 8192  # the base alone is larger than a segment
+    assert rec.segments_started == 1 and len(segs) == 1
+    rep = replay(str(tmp_path))
+    assert rep.mismatch is None and rep.answers == 10 == rep.reproduced
 
 
 def test_until_stops_at_a_call(tmp_path):
