@@ -210,9 +210,13 @@ class Query(Prefixes):
         busy = inf.prefill or inf.decode or inf.engine_extra  # else: nothing to ask per worker
         in_flight = inf.loads() if busy else None
         unseen = inf.unseen(now) if not load and inf.peer_pace else None
-        ranking = rank(res, known, load=load, candidates=candidates, prefill_load_scale=prefill_load_scale,
-                       link=link, in_flight=in_flight, index_load=True, structs=form >= STRUCTS,
-                       tie_slot=self.tie_slot, body=form == BODY, head=len(unseen) + 1 if unseen else KEEP)
+
+        def ranked(in_flight: Mapping[tuple[str, int], tuple[int, int]] | None, head: int) -> Ranking:
+            return rank(res, known, load=load, candidates=candidates, prefill_load_scale=prefill_load_scale,
+                        link=link, in_flight=in_flight, index_load=True, structs=form >= STRUCTS,
+                        tie_slot=self.tie_slot, body=form == BODY, head=head)
+
+        ranking = ranked(in_flight, len(unseen) + 1 if unseen else KEEP)
         if unseen:
             # Other replicas are likely routing unseen at this instant: weigh their decisions
             # (InFlight.unseen), and rank again when that moves the best.
@@ -224,9 +228,7 @@ class Query(Prefixes):
                     pre, dec = spread.get(w, (0, 0))
                     spread[w] = (pre + tok, dec)
                 inf.counters["spread"] += 1
-                ranking = rank(res, known, load=load, candidates=candidates, prefill_load_scale=prefill_load_scale,
-                               link=link, in_flight=spread, index_load=True, structs=form >= STRUCTS,
-                               tie_slot=self.tie_slot, body=form == BODY)
+                ranking = ranked(spread, KEEP)
         rid = None
         if record:
             bs: int = res.block_size  # type: ignore[assignment]  # set just above when None

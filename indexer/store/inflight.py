@@ -30,6 +30,7 @@ import os
 from array import array
 from bisect import insort
 from collections.abc import Callable, Iterable, Sequence
+from operator import attrgetter
 
 from indexer.store.flight import NO_KEYS, FlightListener, NoListener, WorkerKey
 from indexer.store.flight import FlightRequest as _Req
@@ -58,9 +59,7 @@ def _common(edge: array[int], keys: Sequence[int], i: int) -> int:
         m += 1
     return m
 
-def _routed_at(req: _Req) -> float:
-    return req.t
-
+_ROUTED_AT = attrgetter("t")  # a request's routing time: the pending queue's order
 
 # Announcement checks per applied batch and worker: FIFO engines announce in routing
 # order, so the oldest few pending requests are the ones that can have ended.
@@ -205,7 +204,7 @@ class InFlight(PeerFlight):
         if pend and req.t < pend[-1].t:
             # A peer's decision, routed before ours that are here already: the engine
             # queues in arrival order, so the head (the one in prefill) is the oldest.
-            insort(pend, req, key=_routed_at)
+            insort(pend, req, key=_ROUTED_AT)
         else:
             pend.append(req)
 
