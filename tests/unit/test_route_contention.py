@@ -132,7 +132,7 @@ def test_R_SYNC_8_the_pace_is_part_of_the_in_flight_state_a_recording_starts_fro
     assert PrefixIndex(**idx.options()).inflight.contention_window_s == WINDOW
 
 
-def test_R_SYNC_1_a_decision_heard_after_its_engine_announced_it_is_not_held_as_load():
+def test_R_SYNC_2_a_decision_heard_after_its_engine_announced_it_is_not_held_as_load():
     clock = FakeClock(1000.0)
     idx = replica("r1", clock, [])
     p = toks(9000, 8, BS)
@@ -144,7 +144,7 @@ def test_R_SYNC_1_a_decision_heard_after_its_engine_announced_it_is_not_held_as_
     assert other["worker"] == "e0/0" and other["ranked"][0]["load"]["prefill_tokens"] == 0
 
 
-def test_R_SYNC_1_a_peers_request_queues_before_later_ones_of_this_replica():
+def test_R_SYNC_2_a_peers_request_queues_before_later_ones_of_this_replica():
     clock = FakeClock(1000.0)
     idx = replica("r1", clock, [], 0.0)
     mine = idx.route(toks(30_000, 8, BS), candidates=["e0/0"])["request_id"]
