@@ -67,7 +67,7 @@ PyMODINIT_FUNC
 PyInit__core(void)
 {
     if (PyType_Ready(&kvi_U64MapType) < 0 || PyType_Ready(&kvi_NodeType) < 0 || PyType_Ready(&kvi_NodeIndexType) < 0 ||
-        PyType_Ready(&kvi_JournalCoreType) < 0)
+        PyType_Ready(&kvi_JournalCoreType) < 0 || PyType_Ready(&kvi_ApplyRunType) < 0)
         return NULL;
     PyObject *mod = PyModule_Create(&core_module);
     if (mod == NULL)
@@ -89,7 +89,9 @@ PyInit__core(void)
     Py_INCREF(&kvi_NodeType);
     Py_INCREF(&kvi_NodeIndexType);
     Py_INCREF(&kvi_JournalCoreType);
+    Py_INCREF(&kvi_ApplyRunType);
     if (PyModule_AddObject(mod, "JournalCore", (PyObject *)&kvi_JournalCoreType) < 0 ||
+        PyModule_AddObject(mod, "ApplyRun", (PyObject *)&kvi_ApplyRunType) < 0 ||
         PyModule_AddObject(mod, "U64Map", (PyObject *)&kvi_U64MapType) < 0 ||
         PyModule_AddObject(mod, "Node", (PyObject *)&kvi_NodeType) < 0 ||
         PyModule_AddObject(mod, "NodeIndex", (PyObject *)&kvi_NodeIndexType) < 0)

@@ -349,16 +349,34 @@ class JournalCore:
     values: frozenset[type] | None
     wake: Callable[[], Any] | None
     wake_every: int
+    strip: bool
+    seed: int
 
     def __init__(self, raw: Callable[[], float], max_pending: int = 1000000) -> None: ...
     def run(self, op: int, fn: Callable[..., Any], args: tuple[Any, ...], /) -> Any:
         """``fn(*args)``, the call queued with its result and clock readings."""
     def clock(self) -> float:
         """The index's clock; a reading inside a run is noted."""
+    def run_apply(self, op: int, fn: Callable[..., Any], engine: str, payload: bytes, model: str,
+                  dp_rank: int | None, seq: int | None, decide: bool, /) -> Any:
+        """``fn(engine, ..., decide)``, the batch laid in the open run (or queued as ``run`` does)."""
+    def seal(self) -> None:
+        """Queue the open run, if it holds any apply."""
+    @property
+    def pending(self) -> int:
+        """Records queued and not written yet (each apply of a run counted)."""
 
 
-def frame_applies(records: list[Any], start: int, hashed: bool, seed: int, fd: int, /) -> tuple[int, int]:
-    """Write the frames of the run of applies from ``start`` to ``fd``; (next, bytes written).
+class ApplyRun:
+    """Applies a journal laid out in one buffer (applyrun.c)."""
+
+    def __len__(self) -> int: ...
+    def item(self, i: int, /) -> tuple[Any, ...]:
+        """Record ``i`` as the journal's tuple ``(op, wall, args, result, times)``."""
+
+
+def frame_run(run: ApplyRun, start: int, hashed: bool, seed: int, fd: int, /) -> tuple[int, int]:
+    """Write the frames of the run's records from ``start`` to ``fd``; (next, bytes written).
     The Python twin is ``Recorder._encode`` with ``recfile.frame``."""
 
 

@@ -14,8 +14,9 @@
  *   tree.c      the GPU loops over a tree: insert_gpu, insert_gpu_raw, walk, remove_gpu
  *   keys.c      block_keys (xxh3-64 of each block of tokens) and that hash
  *   events.c    vLLM's msgpack events: tokens_from_msgpack, scan_gpu_batch (reader.h reads msgpack)
- *   journal.c   JournalCore: a recording's journal on the hot paths (run, clock)
- *   recframe.c  a recording's frames, built without the GIL: frame_applies, frame_many
+ *   journal.c   JournalCore: a recording's journal on the hot paths (run, run_apply, clock)
+ *   applyrun.c  ApplyRun: the applies a journal laid out in one buffer, no object each
+ *   recframe.c  a recording's frames, built without the GIL: frame_run, frame_many
  *   snapshot.c  a snapshot's columns: NodeIndex, dump_*, node_index, translate, load_*
  *   answers.c   the ranked answers of a GPU-only match
  *   ranking.c   a route's ranking of its candidates
@@ -59,6 +60,83 @@ extern KVI_HIDDEN PyTypeObject kvi_U64MapType;
 extern KVI_HIDDEN PyTypeObject kvi_NodeType;
 extern KVI_HIDDEN PyTypeObject kvi_NodeIndexType;
 extern KVI_HIDDEN PyTypeObject kvi_JournalCoreType; /* journal.c */
+extern KVI_HIDDEN PyTypeObject kvi_ApplyRunType;    /* applyrun.c */
+
+/* ------------------------------------------------------------------ ApplyRun */
+
+/* One journaled apply as JournalCore.run_apply lays it in an ApplyRun's buffer (native
+ * byte order, 8-byte aligned): this head, then its clock readings (nt doubles), then the
+ * UTF-8 of its engine, model and outcome and the payload's bytes, padded to 8. */
+typedef struct {
+    uint32_t size; /* the whole record, padded */
+    uint8_t op, has_rank, has_seq, has_ts, decide;
+    uint8_t stripped; /* the payload as ``hashed`` mode keeps it already (the key sink's) */
+    uint8_t pad_[2];
+    uint32_t nt, engine_n, model_n, outcome_n;
+    uint64_t payload_n;
+    int64_t dp_rank, seq;
+    double wall, ts;
+} ARec;
+
+#define AREC_TIMES(r) ((const double *)((const unsigned char *)(r) + sizeof(ARec)))
+#define AREC_ENGINE(r) ((const char *)(AREC_TIMES(r) + (r)->nt))
+#define AREC_MODEL(r) (AREC_ENGINE(r) + (r)->engine_n)
+#define AREC_OUTCOME(r) (AREC_MODEL(r) + (r)->model_n)
+#define AREC_PAYLOAD(r) ((const unsigned char *)AREC_OUTCOME(r) + (r)->outcome_n)
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *journal;   /* the JournalCore that laid it out (kvi_journal_release), or NULL */
+    unsigned char *buf;  /* the C allocator's */
+    size_t len, cap;
+    Py_ssize_t count;    /* records in buf */
+    Py_ssize_t at_i;     /* a cursor: record at_i begins at byte at_off */
+    size_t at_off;
+} ApplyRun;
+
+/* The key sink: what a batch's apply already knows of it, kept for a recording in
+ * ``hashed`` mode, which keeps each plain GPU store's block keys in place of its token
+ * ids. Reading the token ids a second time and hashing them on the writer's thread was
+ * most of what recording a batch cost (~2.6 us of ~21 for 64 blocks, on a machine whose
+ * two cores the ingest and its publishers already fill); the apply has both in hand.
+ *
+ * JournalCore.run_apply opens it for its own thread around the call; scan_gpu_batch
+ * notes each store's token_ids span in the payload (and the tokens bytes object it made
+ * for it), insert_gpu_raw each store's keys, found by that object (a store that takes
+ * another path gets none). The journal then lays the batch stripped only if every store
+ * has its keys; else as received, and the writer strips it as before. */
+typedef struct {
+    uint32_t tok_at, tok_end; /* the token_ids value's bytes in the payload */
+    uint32_t nblocks, keys_at; /* its keys: keys[keys_at : keys_at + nblocks] */
+    const PyObject *tokens;    /* the tokens bytes scan_gpu_batch made for it (identity only) */
+    int keyed;
+} SinkStore;
+
+typedef struct {
+    PyThreadState *owner; /* the thread whose apply it notes; NULL: closed */
+    uint64_t seed;        /* the seed keys must be made with */
+    int scanned;          /* 1: the batch was scanned whole, every store plain and of block size >= 2
+                             with an ASCII kind (recframe.c's rule); 0 not; -1 spoiled */
+    uint32_t nstores, cap;
+    SinkStore *stores;
+    uint64_t *keys;
+    size_t nkeys, kcap;
+} KeySink;
+
+extern KVI_HIDDEN KeySink kvi_sink; /* journal.c */
+
+/* The sink if it is open for this thread, else NULL. */
+static inline KeySink *
+sink_here(void)
+{
+    return kvi_sink.owner != NULL && kvi_sink.owner == PyThreadState_Get() ? &kvi_sink : NULL;
+}
+
+/* Record ``i`` of ``run`` (0 <= i < count; moves the cursor; no GIL needed). */
+KVI_HIDDEN const ARec *kvi_run_rec(ApplyRun *run, Py_ssize_t i);
+/* A run is done with: its journal counts ``count`` fewer pending records and may keep
+ * ``buf`` for its next run (else it is freed). */
+KVI_HIDDEN void kvi_journal_release(PyObject *journal, Py_ssize_t count, unsigned char *buf, size_t cap);
 
 /* Made by the module's init (_core.c), one reference held there. */
 extern KVI_HIDDEN PyObject *kvi_DEAD;     /* the sentinel parent of freed nodes; module attribute DEAD */

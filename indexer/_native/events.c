@@ -74,11 +74,48 @@ scan_room(void *ctx, int which, size_t bytes)
     return c->col[which] == NULL ? NULL : (unsigned char *)PyBytes_AS_STRING(c->col[which]);
 }
 
+/* A store scanned, noted in the key sink ``ks`` (core.h): 0, or -1 out of memory. */
+static int
+sink_store(KeySink *ks, const PlainStore *st, const unsigned char *base, const PyObject *tokens)
+{
+    if (ks->scanned < 0)
+        return 0;
+    int plain = st->bs >= 2 && st->nblocks <= UINT32_MAX && st->tok_end - base <= UINT32_MAX;
+    for (uint32_t i = 0; plain && i < st->kind_n; i++)
+        plain = (unsigned char)st->kind[i] < 0x80;
+    if (!plain) {
+        ks->scanned = -1;
+        return 0;
+    }
+    if (ks->nstores == ks->cap) {
+        uint32_t nc = ks->cap ? ks->cap * 2 : 16;
+        SinkStore *ns = realloc(ks->stores, nc * sizeof(SinkStore));
+        if (ns == NULL)
+            return -1;
+        ks->stores = ns;
+        ks->cap = nc;
+    }
+    if (ks->nkeys + st->nblocks > ks->kcap) {
+        size_t nc = ks->kcap ? ks->kcap : 256;
+        while (nc < ks->nkeys + st->nblocks)
+            nc *= 2;
+        uint64_t *nk = realloc(ks->keys, nc * 8);
+        if (nk == NULL)
+            return -1;
+        ks->keys = nk;
+        ks->kcap = nc;
+    }
+    ks->stores[ks->nstores++] = (SinkStore){(uint32_t)(st->tok_at - base), (uint32_t)(st->tok_end - base),
+                                            (uint32_t)st->nblocks, (uint32_t)ks->nkeys, tokens, 0};
+    ks->nkeys += st->nblocks;
+    return 0;
+}
+
 /* One BlockStored map of the plain GPU shape (reader.h's scan_plain_store) as a tuple,
  * NULL with no error set when it is of any other shape, NULL with an error set on a real
- * error (memory). */
+ * error (memory). Noted in the key sink ``ks`` when it is open (NULL otherwise). */
 static PyObject *
-scan_store(Rd *r, const unsigned char *base)
+scan_store(Rd *r, const unsigned char *base, KeySink *ks)
 {
     const unsigned char *start = r->p;
     ScanCols c = {{NULL, NULL}};
@@ -92,6 +129,10 @@ scan_store(Rd *r, const unsigned char *base)
         goto done;
     if (st.kind != NULL && (kind = PyUnicode_DecodeUTF8(st.kind, st.kind_n, NULL)) == NULL) {
         PyErr_Clear(); /* not UTF-8: the decoder says so */
+        goto done;
+    }
+    if (ks != NULL && sink_store(ks, &st, base, c.col[PS_TOKENS]) < 0) {
+        PyErr_NoMemory();
         goto done;
     }
     out = Py_BuildValue("(OOOKOOnn)", c.col[PS_HASHES], parent ? parent : Py_None, c.col[PS_TOKENS],
@@ -127,6 +168,12 @@ scan_gpu_batch(PyObject *Py_UNUSED(mod), PyObject *payload)
     PyObject *stores = NULL, *dp = NULL, *res = NULL;
     uint32_t nb, ne;
     double ts;
+    KeySink *ks = sink_here();
+    if (ks != NULL) {
+        ks->scanned = 0;
+        ks->nstores = 0;
+        ks->nkeys = 0;
+    }
     if (!rd_len(&r, 0x90, 0x9f, 0xdc, 0xdd, &nb) || (nb != 2 && nb != 3) || r.p >= r.end)
         goto none;
     if (!rd_ts(&r, &ts))
@@ -137,7 +184,7 @@ scan_gpu_batch(PyObject *Py_UNUSED(mod), PyObject *payload)
     if (stores == NULL)
         goto done;
     for (uint32_t i = 0; i < ne; i++) {
-        PyObject *st = scan_store(&r, base);
+        PyObject *st = scan_store(&r, base, ks);
         if (st == NULL) {
             if (PyErr_Occurred())
                 goto done;
@@ -158,6 +205,8 @@ scan_gpu_batch(PyObject *Py_UNUSED(mod), PyObject *payload)
         goto none; /* trailing bytes: the decoder refuses them */
     res = Py_BuildValue("(dNN)", ts, dp ? dp : (Py_INCREF(Py_None), Py_None), stores);
     dp = stores = NULL;
+    if (ks != NULL && ks->scanned == 0 && res != NULL)
+        ks->scanned = 1;
     goto done;
 none:
     res = Py_None;

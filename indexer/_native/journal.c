@@ -1,7 +1,7 @@
 /* journal.c: JournalCore, the half of a recording's journal (indexer/store/journal.py)
  * that runs on the hot paths: run(op, fn, args) wraps every journaled call of a
- * recording index (each batch applied, each query) and clock() every reading of the
- * index's clock inside one.
+ * recording index (each query, each change) and clock() every reading of the index's
+ * clock inside one; run_apply(op, fn, *args) wraps a batch applied.
  *
  * Why in C: in Python the wrapper cost ~0.45 us a call and its record (a tuple, a list
  * of clock readings) was garbage the cyclic collector walked while it waited in the
@@ -9,10 +9,17 @@
  * record is one tuple, its clock readings a tuple of floats, both untracked by the
  * collector (they hold no container that could close a cycle through them: strings,
  * bytes, numbers, and the call's own arguments and result, which stay tracked if
- * they are containers). */
+ * they are containers). A batch applied is not even that: run_apply copies it into the
+ * open ApplyRun (applyrun.c says why), which goes on the queue whole, in order: before
+ * any other record is queued, and every wake_every records. */
 #include "core.h"
 
 #include <time.h>
+
+/* Buffers of released runs kept for the next ones: a new 1 MiB buffer is the C
+ * allocator's fresh mmap, ~250 page faults (~1 us a batch laid in it); kept, the writer
+ * hands back what the ingest thread fills next. */
+#define SPARE_RUNS 4
 
 typedef struct {
     PyObject_HEAD
@@ -26,7 +33,20 @@ typedef struct {
     char active, overflowed;
     double *times; /* the clock readings of the calls running (nested ones after the outer's) */
     Py_ssize_t nt, tcap;
+    ApplyRun *open;       /* the run run_apply lays applies in, not queued yet, or NULL */
+    unsigned char *spare[SPARE_RUNS]; /* released runs' buffers (RUN_BYTES each), for the next runs */
+    int nspare;
+    Py_ssize_t in_runs;   /* applies in runs not released yet (open or queued) */
+    Py_ssize_t sealed;    /* runs queued and not released yet */
+    char strip;           /* lay plain GPU stores with their keys for token ids (hashed mode) */
+    unsigned long long seed; /* the keys' seed (wire/keys.py's KEY_SEED) */
 } JournalCore;
+
+KVI_HIDDEN KeySink kvi_sink;
+
+/* A run's buffer: a run is queued when the next apply does not fit (or one bigger than
+ * this has a run of its own). At ~4 KB a batch, wake_every (1024) applies fill ~4 MB. */
+#define RUN_BYTES (1u << 20)
 
 static int
 jc_init(JournalCore *self, PyObject *args, PyObject *kwds)
@@ -68,6 +88,7 @@ jc_traverse(JournalCore *self, visitproc visit, void *arg)
     Py_VISIT(self->raw);
     Py_VISIT(self->values);
     Py_VISIT(self->wake);
+    Py_VISIT(self->open);
     return 0;
 }
 
@@ -79,6 +100,7 @@ jc_clear(JournalCore *self)
     Py_CLEAR(self->raw);
     Py_CLEAR(self->values);
     Py_CLEAR(self->wake);
+    Py_CLEAR(self->open);
     return 0;
 }
 
@@ -88,6 +110,8 @@ jc_dealloc(JournalCore *self)
     PyObject_GC_UnTrack(self);
     jc_clear(self);
     PyMem_Free(self->times);
+    while (self->nspare > 0)
+        free(self->spare[--self->nspare]);
     Py_TYPE(self)->tp_free((PyObject *)self); /* a subclass's dealloc drops its type's reference */
 }
 
@@ -194,19 +218,90 @@ untrack_values(JournalCore *self, PyObject *o)
     untrack_graph(o, &u);
 }
 
-static PyObject *
-jc_run(JournalCore *self, PyObject *const *args, Py_ssize_t nargs)
+/* The open run queued (before any other record, in order): 0, or -1 with an error set. */
+static int
+seal(JournalCore *self)
 {
-    if (nargs != 3 || !PyTuple_CheckExact(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "run(op, fn, args: tuple)");
-        return NULL;
+    if (self->open == NULL || self->open->count == 0)
+        return 0;
+    PyObject *run = (PyObject *)self->open;
+    self->open = NULL;
+    PyObject *res = PyObject_CallOneArg(self->append, run);
+    if (res != NULL)
+        self->sealed++;
+    Py_DECREF(run);
+    if (res == NULL)
+        return -1;
+    Py_DECREF(res);
+    return 0;
+}
+
+KVI_HIDDEN void
+kvi_journal_release(PyObject *journal, Py_ssize_t count, unsigned char *buf, size_t cap)
+{
+    JournalCore *self = (JournalCore *)journal;
+    self->in_runs -= count;
+    if (self->open == NULL || self->open->buf != buf) /* a run queued (the open one is dropped unqueued only with the journal) */
+        self->sealed--;
+    if (buf != NULL && self->nspare < SPARE_RUNS && cap == RUN_BYTES)
+        self->spare[self->nspare++] = buf;
+    else
+        free(buf);
+}
+
+/* Records queued and not written: the queue's, a run counted as its applies (one taken
+ * off the queue still counts until it is released: ``sealed`` counts it then, the queue
+ * no longer does), and the open run's. -1: error. */
+static Py_ssize_t
+pending(JournalCore *self)
+{
+    Py_ssize_t n = PyObject_Size(self->records);
+    if (n < 0)
+        return -1;
+    n += self->in_runs - self->sealed;
+    return n > self->in_runs ? n : self->in_runs;
+}
+
+/* Whether one more record may be queued; if not, the journal overflowed (the writer sees
+ * it and stops the recording). -1: error. */
+static int
+has_room(JournalCore *self)
+{
+    Py_ssize_t n = pending(self);
+    if (n < 0)
+        return -1;
+    if (n >= self->max_pending) {
+        self->overflowed = 1;
+        return 0;
     }
-    PyObject *op = args[0], *fn = args[1], *cargs = args[2];
-    Py_ssize_t base = self->nt;
-    char prev = self->active;
-    self->active = 1;
-    PyObject *r = PyObject_Call(fn, cargs, NULL);
-    self->active = prev;
+    return 1;
+}
+
+/* Every wake_every records the writer is woken rather than left to its timer: a
+ * record keeps its payload (a copy of it, in a run) until written, and at tens of
+ * thousands of batches a second 0.2 s of them (tens of MB) meant every new payload was
+ * written to memory no longer in any cache, on the thread that applies them. The open
+ * run is queued first, so the writer finds it. 0, or -1 with an error set. */
+static int
+counted(JournalCore *self)
+{
+    if (self->wake == NULL || self->wake == Py_None || ++self->since_wake < self->wake_every)
+        return 0;
+    self->since_wake = 0;
+    if (seal(self) < 0)
+        return -1;
+    PyObject *res = PyObject_CallNoArgs(self->wake);
+    if (res == NULL)
+        return -1;
+    Py_DECREF(res);
+    return 0;
+}
+
+/* Queue the call ``op(*cargs)`` that returned ``r`` (NULL: it raised, the error set) with
+ * the clock readings from ``base``; returns ``r`` (a new reference) or NULL. */
+static PyObject *
+queue_call(JournalCore *self, PyObject *op, PyObject *cargs, PyObject *r, Py_ssize_t base)
+{
     PyObject *times = PyTuple_New(self->nt - base);
     if (times == NULL) {
         Py_XDECREF(r);
@@ -246,20 +341,16 @@ jc_run(JournalCore *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Restore(et, ev, tb);
         return NULL;
     }
-    Py_ssize_t pending = PyObject_Size(self->records);
-    if (pending < 0) {
+    int room_ = has_room(self);
+    if (room_ <= 0) {
         Py_DECREF(times);
-        Py_DECREF(r);
-        return NULL;
-    }
-    if (pending >= self->max_pending) {
-        self->overflowed = 1; /* the writer sees it and stops the recording */
-        Py_DECREF(times);
+        if (room_ < 0)
+            Py_CLEAR(r);
         return r;
     }
     PyObject *rec = PyTuple_New(5);
     PyObject *w = PyFloat_FromDouble(wall);
-    if (rec == NULL || w == NULL) {
+    if (rec == NULL || w == NULL || seal(self) < 0) {
         Py_XDECREF(rec);
         Py_XDECREF(w);
         Py_DECREF(times);
@@ -279,30 +370,257 @@ jc_run(JournalCore *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject_GC_UnTrack(rec); /* holds a cycle only if its args or result do: they stay tracked then */
     PyObject *res = PyObject_CallOneArg(self->append, rec);
     Py_DECREF(rec);
-    if (res == NULL) {
+    if (res == NULL || counted(self) < 0) {
+        Py_XDECREF(res);
         Py_DECREF(r);
         return NULL;
     }
     Py_DECREF(res);
-    /* Every wake_every records the writer is woken rather than left to its timer: a
-     * record keeps its payload alive until written, and at tens of thousands of batches
-     * a second 0.2 s of them (tens of MB) meant every new payload was written to memory
-     * no longer in any cache, on the thread that applies them. */
-    if (self->wake != NULL && self->wake != Py_None && ++self->since_wake >= self->wake_every) {
-        self->since_wake = 0;
-        res = PyObject_CallNoArgs(self->wake);
-        if (res == NULL) {
-            Py_DECREF(r);
-            return NULL;
-        }
-        Py_DECREF(res);
-    }
     return r;
 }
+
+static PyObject *
+jc_run(JournalCore *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyTuple_CheckExact(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "run(op, fn, args: tuple)");
+        return NULL;
+    }
+    Py_ssize_t base = self->nt;
+    char prev = self->active;
+    self->active = 1;
+    PyObject *r = PyObject_Call(args[1], args[2], NULL);
+    self->active = prev;
+    return queue_call(self, args[0], args[2], r, base);
+}
+
+/* An int that fits int64, or None: 1 (``*has`` says which); 0 anything else. */
+static int
+opt_i64(PyObject *o, int64_t *v, uint8_t *has)
+{
+    *has = o != Py_None;
+    if (!*has)
+        return 1;
+    if (!PyLong_CheckExact(o))
+        return 0;
+    int of;
+    *v = PyLong_AsLongLongAndOverflow(o, &of);
+    if (*v == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return !of;
+}
+
+static size_t
+pad8(size_t n)
+{
+    return (n + 7) & ~(size_t)7;
+}
+
+/* The apply whose arguments are ``a`` (engine, payload, model, dp_rank, seq, decide) and
+ * result ``r`` laid in the open run (``sink``: this call opened the key sink, stripped
+ * when it holds every store's keys): 1; 0 not of the shape a run holds (the caller
+ * queues it as a tuple); -1 out of memory. */
+static int
+lay_apply(JournalCore *self, long op, PyObject *const *a, PyObject *r, Py_ssize_t base, int sink)
+{
+    if (!PyUnicode_CheckExact(a[0]) || !PyBytes_CheckExact(a[1]) || !PyUnicode_CheckExact(a[2]) ||
+        !PyBool_Check(a[5]) || !PyTuple_CheckExact(r) || PyTuple_GET_SIZE(r) != 2)
+        return 0;
+    PyObject *outcome = PyTuple_GET_ITEM(r, 0), *ts = PyTuple_GET_ITEM(r, 1);
+    if (!PyUnicode_CheckExact(outcome) || !(ts == Py_None || PyFloat_CheckExact(ts)))
+        return 0;
+    ARec h;
+    memset(&h, 0, sizeof h);
+    if (!opt_i64(a[3], &h.dp_rank, &h.has_rank) || !opt_i64(a[4], &h.seq, &h.has_seq))
+        return 0;
+    Py_ssize_t en, mn, on;
+    const char *engine = PyUnicode_AsUTF8AndSize(a[0], &en), *model = PyUnicode_AsUTF8AndSize(a[2], &mn),
+               *out = PyUnicode_AsUTF8AndSize(outcome, &on);
+    if (engine == NULL || model == NULL || out == NULL) {
+        PyErr_Clear(); /* a lone surrogate: the tuple's encoder says what it says */
+        return 0;
+    }
+    size_t pn = (size_t)PyBytes_GET_SIZE(a[1]), nt = (size_t)(self->nt - base);
+    /* Stripped (the key sink, core.h): each store's token_ids value (a msgpack array)
+     * becomes a bin of its keys, 8 bytes a block, as recprivacy.strip_payload makes it. */
+    KeySink *ks = &kvi_sink;
+    int stripped = sink && ks->scanned == 1 && ks->nstores > 0;
+    for (uint32_t i = 0; stripped && i < ks->nstores; i++)
+        stripped = ks->stores[i].keyed;
+    if (stripped) {
+        for (uint32_t i = 0; i < ks->nstores; i++) {
+            size_t kb = (size_t)ks->stores[i].nblocks * 8;
+            pn = pn - (ks->stores[i].tok_end - ks->stores[i].tok_at) + kb + (kb < 256 ? 2 : kb < 65536 ? 3 : 5);
+        }
+    }
+    size_t need = pad8(sizeof(ARec) + nt * 8 + (size_t)en + (size_t)mn + (size_t)on + pn);
+    if (need > UINT32_MAX)
+        return 0;
+    ApplyRun *run = self->open;
+    if (run != NULL && run->len + need > run->cap && seal(self) < 0)
+        return -1;
+    run = self->open;
+    if (run == NULL) {
+        run = PyObject_GC_New(ApplyRun, &kvi_ApplyRunType);
+        if (run == NULL)
+            return -1;
+        size_t cap = need > RUN_BYTES ? need : RUN_BYTES;
+        unsigned char *buf = cap == RUN_BYTES && self->nspare > 0 ? self->spare[--self->nspare] : malloc(cap);
+        if (buf == NULL) {
+            PyObject_GC_Del(run);
+            PyErr_NoMemory();
+            return -1;
+        }
+        Py_INCREF(self);
+        run->journal = (PyObject *)self;
+        run->buf = buf;
+        run->cap = cap;
+        run->len = 0;
+        run->count = run->at_i = 0;
+        run->at_off = 0;
+        PyObject_GC_Track(run);
+        self->open = run;
+    }
+    h.size = (uint32_t)need;
+    h.op = (uint8_t)op;
+    h.decide = a[5] == Py_True;
+    h.has_ts = ts != Py_None;
+    h.ts = h.has_ts ? PyFloat_AS_DOUBLE(ts) : 0.0;
+    h.wall = wall_now();
+    h.nt = (uint32_t)nt;
+    h.engine_n = (uint32_t)en;
+    h.model_n = (uint32_t)mn;
+    h.outcome_n = (uint32_t)on;
+    h.payload_n = pn;
+    h.stripped = (uint8_t)stripped;
+    unsigned char *p = run->buf + run->len;
+    memcpy(p, &h, sizeof h);
+    p += sizeof h;
+    memcpy(p, self->times + base, nt * 8);
+    p += nt * 8;
+    memcpy(p, engine, (size_t)en);
+    p += en;
+    memcpy(p, model, (size_t)mn);
+    p += mn;
+    memcpy(p, out, (size_t)on);
+    p += on;
+    const unsigned char *src = (const unsigned char *)PyBytes_AS_STRING(a[1]);
+    if (!stripped)
+        memcpy(p, src, pn);
+    else {
+        size_t from = 0;
+        for (uint32_t i = 0; i < ks->nstores; i++) {
+            const SinkStore *ss = &ks->stores[i];
+            size_t kb = (size_t)ss->nblocks * 8;
+            memcpy(p, src + from, ss->tok_at - from);
+            p += ss->tok_at - from;
+            if (kb < 256) { /* bin 8, 16 or 32: recframe.c's w_bin_head */
+                *p++ = 0xc4;
+                *p++ = (unsigned char)kb;
+            }
+            else if (kb < 65536) {
+                *p++ = 0xc5;
+                *p++ = (unsigned char)(kb >> 8);
+                *p++ = (unsigned char)kb;
+            }
+            else {
+                *p++ = 0xc6;
+                for (int b = 3; b >= 0; b--)
+                    *p++ = (unsigned char)(kb >> (8 * b));
+            }
+            for (uint32_t k = 0; k < ss->nblocks; k++, p += 8)
+                put_le64(p, ks->keys[ss->keys_at + k]);
+            from = ss->tok_end;
+        }
+        memcpy(p, src + from, (size_t)PyBytes_GET_SIZE(a[1]) - from);
+    }
+    run->len += need;
+    run->count++;
+    self->in_runs++;
+    return 1;
+}
+
+static PyObject *
+jc_run_apply(JournalCore *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8 || !PyLong_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "run_apply(op: int, fn, engine, payload, model, dp_rank, seq, decide)");
+        return NULL;
+    }
+    long op = PyLong_AsLong(args[0]);
+    Py_ssize_t base = self->nt;
+    char prev = self->active;
+    self->active = 1;
+    KeySink *ks = &kvi_sink;
+    int sink = self->strip && ks->owner == NULL;
+    if (sink) { /* opened for this thread: what the apply knows of the batch (core.h) */
+        ks->owner = PyThreadState_Get();
+        ks->seed = (uint64_t)self->seed;
+        ks->scanned = 0;
+        ks->nstores = 0;
+        ks->nkeys = 0;
+    }
+    PyObject *r = PyObject_Vectorcall(args[1], args + 2, 6, NULL);
+    self->active = prev;
+    if (sink)
+        ks->owner = NULL; /* what it noted is read by lay_apply next, the GIL held all along */
+    if (r != NULL && (op == 1 || op == 2)) { /* the journal's APPLY and APPLY_SEQUENCED */
+        int room_ = has_room(self);
+        int laid = room_ > 0 ? lay_apply(self, op, args + 2, r, base, sink) : room_;
+        if (laid != 0) {
+            self->nt = base;
+            if (laid < 0 || counted(self) < 0) {
+                Py_DECREF(r);
+                return NULL;
+            }
+            return r;
+        }
+        if (!room_) {
+            self->nt = base;
+            return r;
+        }
+    }
+    PyObject *cargs = PyTuple_New(6); /* raised, or of another shape: queued as run() queues */
+    if (cargs == NULL) {
+        Py_XDECREF(r);
+        self->nt = base;
+        return NULL;
+    }
+    for (int i = 0; i < 6; i++)
+        PyTuple_SET_ITEM(cargs, i, Py_NewRef(args[2 + i]));
+    PyObject *res = queue_call(self, args[0], cargs, r, base);
+    Py_DECREF(cargs);
+    return res;
+}
+
+static PyObject *
+jc_seal(JournalCore *self, PyObject *Py_UNUSED(ignored))
+{
+    if (seal(self) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+jc_pending(JournalCore *self, void *Py_UNUSED(closure))
+{
+    Py_ssize_t n = pending(self);
+    return n < 0 ? NULL : PyLong_FromSsize_t(n);
+}
+
+static PyGetSetDef jc_getset[] = {
+    {"pending", (getter)jc_pending, NULL, "records queued and not written yet (each apply of a run counted)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
 
 static PyMethodDef jc_methods[] = {
     {"run", (PyCFunction)(void (*)(void))jc_run, METH_FASTCALL,
      "run(op, fn, args) -> fn(*args), the call queued with its result and clock readings (the caller holds the index lock)."},
+    {"run_apply", (PyCFunction)(void (*)(void))jc_run_apply, METH_FASTCALL,
+     "run_apply(op, fn, engine, payload, model, dp_rank, seq, decide) -> fn(engine, ..., decide), laid in the open run."},
+    {"seal", (PyCFunction)jc_seal, METH_NOARGS, "Queue the open run (what was applied so far), if any."},
     {"clock", (PyCFunction)jc_clock, METH_NOARGS, "The index's clock while recording: a reading inside a run is noted."},
     {NULL, NULL, 0, NULL},
 };
@@ -317,6 +635,9 @@ static PyMemberDef jc_members[] = {
     {"max_pending", T_PYSSIZET, offsetof(JournalCore, max_pending), 0, "records queued at most"},
     {"active", T_BOOL, offsetof(JournalCore, active), 0, "a journaled call is running"},
     {"overflowed", T_BOOL, offsetof(JournalCore, overflowed), 0, "the writer fell max_pending records behind"},
+    {"strip", T_BOOL, offsetof(JournalCore, strip), 0,
+     "lay plain GPU stores with their block keys in place of their token ids (hashed mode)"},
+    {"seed", T_ULONGLONG, offsetof(JournalCore, seed), 0, "the block keys' seed (with strip)"},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -331,6 +652,7 @@ KVI_HIDDEN PyTypeObject kvi_JournalCoreType = {
     .tp_clear = (inquiry)jc_clear,
     .tp_methods = jc_methods,
     .tp_members = jc_members,
+    .tp_getset = jc_getset,
     .tp_init = (initproc)jc_init,
     .tp_new = PyType_GenericNew,
 };

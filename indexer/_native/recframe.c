@@ -10,17 +10,17 @@
  * checksummed and written to the segment's file with the GIL released, for a whole run
  * of records at a time.
  *
- *   frame_applies(records, start, hashed, seed, fd) -> (next, written)
+ *   frame_run(run, start, hashed, seed, fd) -> (next, written)
  *   frame_many(bodies) -> frames
  *
- * A record is the journal's ``(op, wall, args, result, times)``
- * (indexer/store/journal.py); an apply's body is what recops.encode_call and
- * encode_result make of it, ``[op, wall, times, [engine, payload, model, dp_rank, seq],
- * [outcome, ts]]``, with the payload as recprivacy.strip_payload keeps it: whole, or in
- * ``hashed`` mode each plain GPU store's token_ids replaced by its block keys (uint64
- * LE bytes, bin). A record of another kind, or a batch that is not of the plain GPU
- * shape (the one scan_gpu_batch reads), ends the run: ``next`` is its index and the
- * caller encodes it in Python. */
+ * A run is the journal's ApplyRun (applyrun.c): applies laid out in one buffer, read
+ * here with no GIL at all. An apply's body is what recops.encode_call and encode_result
+ * make of the journal's tuple for it, ``[op, wall, times, [engine, payload, model,
+ * dp_rank, seq], [outcome, ts]]``, with the payload as recprivacy.strip_payload keeps
+ * it: whole, or in ``hashed`` mode each plain GPU store's token_ids replaced by its
+ * block keys (uint64 LE bytes, bin). In ``hashed`` mode a batch that is not of the
+ * plain GPU shape (the one scan_gpu_batch reads) stops the framing: ``next`` is its
+ * index and the caller encodes ``run.item(next)`` in Python. */
 #include "core.h"
 #include "reader.h"
 
@@ -210,8 +210,7 @@ strip_batch(const unsigned char *p, size_t n, Out *o, Out *scratch, uint64_t see
 
 /* ------------------------------------------------------------------ records */
 
-/* One apply record's fields, read under the GIL; the pointers stay valid while the
- * caller's list holds the record. */
+/* One apply's fields, pointing into its run's buffer. */
 typedef struct {
     int64_t op, dp_rank, seq;
     int has_rank, has_seq, has_ts;
@@ -219,80 +218,31 @@ typedef struct {
     const char *engine, *model, *outcome, *payload;
     Py_ssize_t engine_n, model_n, outcome_n, payload_n;
     size_t t0, nt; /* its clock readings: times[t0 : t0 + nt] */
+    int stripped;  /* the payload is as ``hashed`` mode keeps it already */
 } Apply;
 
-static int
-opt_int(PyObject *o, int64_t *v, int *has)
+static void
+read_rec(const ARec *r, Apply *a)
 {
-    *has = o != Py_None;
-    if (!*has)
-        return 1;
-    if (!PyLong_CheckExact(o))
-        return 0;
-    int of;
-    *v = PyLong_AsLongLongAndOverflow(o, &of);
-    return !of && !(*v == -1 && PyErr_Occurred());
-}
-
-/* The fields of record ``rec`` if it is an apply that ran (not one that raised): 1;
- * 0 otherwise (no error set). Its clock readings are appended to ``times``. */
-static int
-read_apply(PyObject *rec, Apply *a, double **times, size_t *nt, size_t *cap)
-{
-    if (!PyTuple_CheckExact(rec) || PyTuple_GET_SIZE(rec) != 5)
-        return 0;
-    PyObject *op = PyTuple_GET_ITEM(rec, 0), *wall = PyTuple_GET_ITEM(rec, 1), *args = PyTuple_GET_ITEM(rec, 2),
-             *res = PyTuple_GET_ITEM(rec, 3), *tl = PyTuple_GET_ITEM(rec, 4);
-    if (!PyLong_CheckExact(op) || !PyFloat_CheckExact(wall) || !PyTuple_CheckExact(args) ||
-        PyTuple_GET_SIZE(args) != 6 || !PyTuple_CheckExact(res) || PyTuple_GET_SIZE(res) != 2 || !(PyTuple_CheckExact(tl) || PyList_CheckExact(tl)))
-        return 0;
-    a->op = PyLong_AsLongLong(op);
-    if (a->op != 1 && a->op != 2) { /* the journal's APPLY and APPLY_SEQUENCED */
-        PyErr_Clear();
-        return 0;
-    }
-    PyObject *engine = PyTuple_GET_ITEM(args, 0), *payload = PyTuple_GET_ITEM(args, 1),
-             *model = PyTuple_GET_ITEM(args, 2), *outcome = PyTuple_GET_ITEM(res, 0), *ts = PyTuple_GET_ITEM(res, 1);
-    if (!PyUnicode_CheckExact(engine) || !PyBytes_CheckExact(payload) || !PyUnicode_CheckExact(model) ||
-        !PyUnicode_CheckExact(outcome) || !(ts == Py_None || PyFloat_CheckExact(ts)))
-        return 0;
-    if (!opt_int(PyTuple_GET_ITEM(args, 3), &a->dp_rank, &a->has_rank) ||
-        !opt_int(PyTuple_GET_ITEM(args, 4), &a->seq, &a->has_seq)) {
-        PyErr_Clear();
-        return 0;
-    }
-    a->engine = PyUnicode_AsUTF8AndSize(engine, &a->engine_n);
-    a->model = PyUnicode_AsUTF8AndSize(model, &a->model_n);
-    a->outcome = PyUnicode_AsUTF8AndSize(outcome, &a->outcome_n);
-    if (a->engine == NULL || a->model == NULL || a->outcome == NULL) {
-        PyErr_Clear(); /* a lone surrogate: Python's encoder says what it says */
-        return 0;
-    }
-    a->payload = PyBytes_AS_STRING(payload);
-    a->payload_n = PyBytes_GET_SIZE(payload);
-    a->wall = PyFloat_AS_DOUBLE(wall);
-    a->has_ts = ts != Py_None;
-    a->ts = a->has_ts ? PyFloat_AS_DOUBLE(ts) : 0.0;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(tl); /* a tuple (the journal's) or a list */
-    PyObject **tv = PySequence_Fast_ITEMS(tl);
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (!PyFloat_CheckExact(tv[i]))
-            return 0;
-    if (*nt + (size_t)n > *cap) {
-        size_t nc = *cap ? *cap * 2 : 256;
-        while (nc < *nt + (size_t)n)
-            nc *= 2;
-        double *nb = realloc(*times, nc * sizeof(double));
-        if (nb == NULL)
-            return 0;
-        *times = nb;
-        *cap = nc;
-    }
-    a->t0 = *nt;
-    a->nt = (size_t)n;
-    for (Py_ssize_t i = 0; i < n; i++)
-        (*times)[(*nt)++] = PyFloat_AS_DOUBLE(tv[i]);
-    return 1;
+    a->op = r->op;
+    a->dp_rank = r->dp_rank;
+    a->seq = r->seq;
+    a->has_rank = r->has_rank;
+    a->has_seq = r->has_seq;
+    a->has_ts = r->has_ts;
+    a->wall = r->wall;
+    a->ts = r->ts;
+    a->engine = AREC_ENGINE(r);
+    a->model = AREC_MODEL(r);
+    a->outcome = AREC_OUTCOME(r);
+    a->payload = (const char *)AREC_PAYLOAD(r);
+    a->engine_n = (Py_ssize_t)r->engine_n;
+    a->model_n = (Py_ssize_t)r->model_n;
+    a->outcome_n = (Py_ssize_t)r->outcome_n;
+    a->payload_n = (Py_ssize_t)r->payload_n;
+    a->t0 = 0;
+    a->nt = r->nt;
+    a->stripped = r->stripped;
 }
 
 /* One apply's frame appended to ``out`` (its body written in place after the 8 bytes
@@ -303,7 +253,7 @@ frame_apply(const Apply *a, const double *times, int hashed, uint64_t seed, Out 
 {
     const unsigned char *payload = (const unsigned char *)a->payload;
     size_t payload_n = (size_t)a->payload_n;
-    if (hashed) {
+    if (hashed && !a->stripped) {
         pl->len = 0;
         int st = strip_batch(payload, payload_n, pl, scratch, seed);
         if (st <= 0)
@@ -352,23 +302,23 @@ write_all(int fd, Out *o)
  * of the C allocator's, reused, whatever the run's length). */
 #define WRITE_AT (256 * 1024)
 
-PyDoc_STRVAR(frame_applies_doc,
-"frame_applies(records, start, hashed, seed, fd) -> (next, written)\n\n"
-"Write to file descriptor ``fd`` the frames of records[start:next], the longest run of\n"
-"applies from ``start`` this can encode (see the file's comment), made and written with\n"
-"the GIL released; ``written``: bytes. ``hashed``: each plain GPU store's token ids\n"
-"replaced by its block keys (xxh3-64, ``seed``). ``next`` is the index of the first\n"
-"record not framed (== start: the caller's). OSError when the write fails (what was\n"
-"written stays: a short frame at the end, which a reader reports as damage).");
+PyDoc_STRVAR(frame_run_doc,
+"frame_run(run, start, hashed, seed, fd) -> (next, written)\n\n"
+"Write to file descriptor ``fd`` the frames of the run's records start..next-1, made\n"
+"and written with the GIL released; ``written``: bytes. ``hashed``: each plain GPU\n"
+"store's token ids replaced by its block keys (xxh3-64, ``seed``); a record that is not\n"
+"of that shape stops it (next < len(run): the caller's, run.item(next)). OSError when\n"
+"the write fails (what was written stays: a short frame at the end, which a reader\n"
+"reports as damage).");
 
 static PyObject *
-frame_applies(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
+frame_run(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5 || !PyList_CheckExact(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "frame_applies(records: list, start, hashed, seed, fd)");
+    if (nargs != 5 || !Py_IS_TYPE(args[0], &kvi_ApplyRunType)) {
+        PyErr_SetString(PyExc_TypeError, "frame_run(run: ApplyRun, start, hashed, seed, fd)");
         return NULL;
     }
-    PyObject *records = args[0];
+    ApplyRun *run = (ApplyRun *)args[0];
     Py_ssize_t start = PyLong_AsSsize_t(args[1]);
     int hashed = PyObject_IsTrue(args[2]);
     long fdl = PyLong_AsLong(args[4]);
@@ -385,24 +335,22 @@ frame_applies(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
             PyErr_SetString(PyExc_OverflowError, "seed must be in [0, 2**64)");
         return NULL;
     }
-    Py_ssize_t total = PyList_GET_SIZE(records);
-    if (start < 0 || start > total) {
+    if (start < 0 || start > run->count) {
         PyErr_SetString(PyExc_IndexError, "start out of range");
         return NULL;
     }
-    Apply *as = total > start ? malloc(sizeof(Apply) * (size_t)(total - start)) : NULL;
-    double *times = NULL;
-    size_t nt = 0, tcap = 0;
-    Py_ssize_t n = 0;
-    while (as != NULL && start + n < total && read_apply(PyList_GET_ITEM(records, start + n), &as[n], &times, &nt, &tcap))
-        n++;
     Out out = {0}, pl = {0}, scratch[2] = {{0}};
-    Py_ssize_t done = 0;
+    Py_ssize_t done = start;
     size_t written = 0;
     int st = 1, err = 0;
+    /* The run is queued whole and no longer laid in (journal.c): its buffer does not
+     * change, and only this thread moves its cursor. */
     Py_BEGIN_ALLOW_THREADS
-    for (; done < n; done++) {
-        st = frame_apply(&as[done], times, hashed, seed, &out, &pl, scratch);
+    for (; done < run->count; done++) {
+        Apply a;
+        const ARec *r = kvi_run_rec(run, done);
+        read_rec(r, &a);
+        st = frame_apply(&a, AREC_TIMES(r), hashed, seed, &out, &pl, scratch);
         if (st <= 0)
             break;
         if (out.len >= WRITE_AT) {
@@ -423,12 +371,10 @@ frame_applies(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
         errno = err;
         PyErr_SetFromErrno(PyExc_OSError);
     }
-    else if (st < 0 || (total > start && as == NULL))
+    else if (st < 0)
         PyErr_NoMemory();
     else
-        res = Py_BuildValue("(nn)", start + done, (Py_ssize_t)written);
-    free(as);
-    free(times);
+        res = Py_BuildValue("(nn)", done, (Py_ssize_t)written);
     free(out.buf);
     free(pl.buf);
     free(scratch[0].buf);
@@ -473,7 +419,7 @@ frame_many(PyObject *Py_UNUSED(mod), PyObject *bodies)
 }
 
 KVI_HIDDEN PyMethodDef kvi_recframe_methods[] = {
-    {"frame_applies", (PyCFunction)(void (*)(void))frame_applies, METH_FASTCALL, frame_applies_doc},
+    {"frame_run", (PyCFunction)(void (*)(void))frame_run, METH_FASTCALL, frame_run_doc},
     {"frame_many", (PyCFunction)frame_many, METH_O, frame_many_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -96,7 +96,7 @@ scratch(uint64_t *stack, Py_ssize_t n, int flags)
 static PyObject *
 insert_loop(U64Map *wmap, Node *parent, Py_ssize_t n, const uint64_t *hv, const char *ok, PyObject *hashes,
             PyObject *keys, const unsigned char *tokens, Py_ssize_t block_size, uint64_t seed, PyObject *bit,
-            PyObject *dupkey)
+            PyObject *dupkey, uint64_t *kout)
 {
     Py_ssize_t created = 0, added = 0;
     /* The worker's map is the one table this loop probes per block, at a random
@@ -147,6 +147,8 @@ insert_loop(U64Map *wmap, Node *parent, Py_ssize_t n, const uint64_t *hv, const 
             }
             else
                 k = kvi_xxh3_64(tokens + (size_t)i * step, step, seed);
+            if (kout != NULL)
+                kout[i] = k;
             node = (Node *)child_of(parent, k);
             if (node == NULL) {
                 /* A new block: born holding the worker's bit. */
@@ -190,6 +192,11 @@ insert_loop(U64Map *wmap, Node *parent, Py_ssize_t n, const uint64_t *hv, const 
             if ((u64 ? kvi_map_put(wmap, hv[i], (PyObject *)node)
                        : kvi_map_store(wmap, PyList_GET_ITEM(hashes, i), (PyObject *)node)) < 0)
                 goto fail;
+        }
+        else if (kout != NULL) {
+            /* A block the worker maps already: its key is not needed here, but a
+             * recording keeps what its tokens hash to (kout: the key sink, core.h). */
+            kout[i] = kvi_xxh3_64(tokens + (size_t)i * step, step, seed);
         }
         PyObject *m = node_gpu(node);
         PyObject *x = PyNumber_And(m, bit);
@@ -249,7 +256,7 @@ insert_gpu(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
             goto done;
         ok[i] = (char)r;
     }
-    res = insert_loop((U64Map *)args[0], (Node *)args[1], n, hv, ok, hashes, keys, NULL, 0, 0, args[4], args[5]);
+    res = insert_loop((U64Map *)args[0], (Node *)args[1], n, hv, ok, hashes, keys, NULL, 0, 0, args[4], args[5], NULL);
 done:
     if (hv != stack)
         PyMem_Free(hv);
@@ -289,9 +296,20 @@ insert_gpu_raw(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs
     const unsigned char *hb = (const unsigned char *)PyBytes_AS_STRING(args[2]);
     for (Py_ssize_t i = 0; i < n; i++)
         hv[i] = get_le64(hb + i * 8);
+    /* The key sink (core.h), if a recording's journal opened it: this store's keys go
+     * there, found by the tokens bytes scan_gpu_batch made for it. */
+    KeySink *ks = sink_here();
+    SinkStore *ss = NULL;
+    if (ks != NULL && ks->scanned == 1 && (uint64_t)seed == ks->seed) {
+        for (uint32_t j = 0; j < ks->nstores && ss == NULL; j++)
+            if (ks->stores[j].tokens == args[3] && ks->stores[j].nblocks == (uint64_t)n && !ks->stores[j].keyed)
+                ss = &ks->stores[j];
+    }
     PyObject *res = insert_loop((U64Map *)args[0], (Node *)args[1], n, hv, NULL, NULL, NULL,
                                 (const unsigned char *)PyBytes_AS_STRING(args[3]), bs, (uint64_t)seed, args[6],
-                                args[7]);
+                                args[7], ss != NULL ? ks->keys + ss->keys_at : NULL);
+    if (ss != NULL && res != NULL)
+        ss->keyed = 1;
     if (hv != stack)
         PyMem_Free(hv);
     return res;

@@ -8,8 +8,9 @@ removed, reset or marked stale, a route, a match, a done, a load correction, a p
 in-flight news) is queued under the index lock with its clock readings, at the cost of a
 tuple and a deque append; a background thread encodes the queue (prompts and payloads as
 the privacy mode keeps them, :mod:`.recprivacy`) and appends it to the current segment:
-runs of batches through the compiled framer (``indexer/_native/recframe.c``, the GIL
-released while it strips, hashes, encodes, checks and writes), the rest here.
+the batches applied, laid out in runs by the compiled journal, through the compiled framer
+(``indexer/_native/recframe.c``, the GIL released while it strips, hashes, encodes, checks
+and writes), the rest here.
 A segment starts with a *base*, the index's whole state at that point (its snapshot, the
 in-flight view, the exact clock values), so the oldest segments can go (size and age caps)
 and what is left still replays.
@@ -37,7 +38,7 @@ from indexer.ingest.recprivacy import MODES, strip_event
 from indexer.query.index import PrefixIndex
 from indexer.query.match import KeySource, _LazyKeys
 from indexer.store.flightstate import dump_flight
-from indexer.store.journal import APPLY, APPLY_SEQUENCED, Journal
+from indexer.store.journal import Journal
 from indexer.store.snapshot import cut_locked, finish
 from indexer.wire.keys import KEY_SEED
 
@@ -63,8 +64,10 @@ def _frames_py(bodies: list[bytes]) -> bytes:
 # query, never handed out, never in a cycle).
 _VALUES = frozenset({KeySource, _LazyKeys})
 
-# The compiled framer (recframe.c) when built: the same frames, made with the GIL released.
-_frame_applies: Any = _core.frame_applies if _core is not None else None
+# The compiled framer (recframe.c) when built: the same frames, made with the GIL released,
+# of the runs of applies the compiled journal queues (journal.c; none without it).
+_frame_run: Any = _core.frame_run if _core is not None else None
+_Run: Any = _core.ApplyRun if _core is not None else None
 _frames: Any = _core.frame_many if _core is not None else _frames_py
 
 
@@ -149,6 +152,10 @@ class Recorder:
             j = Journal(index._raw_clock, self._max_pending)
             j.on_restore = self._base_locked
             j.values = _VALUES
+            # Hashed mode: the compiled journal lays a plain GPU batch with the keys its
+            # apply made in place of its token ids (core.h's key sink), not the writer.
+            j.strip = self.tokens == "hashed"
+            j.seed = KEY_SEED
             self.journal = j
             self.index = index
             index._rec = j
@@ -223,6 +230,7 @@ class Recorder:
             done = threading.Event()
             j = self.journal
             if j is not None:
+                j.seal()
                 j.records.append(("flush", done))
                 self._wake.set()
                 done.wait(10)
@@ -242,6 +250,7 @@ class Recorder:
         j = self.journal
         if j is None:
             return
+        j.seal()  # what was applied since the last run went (a timer's wake)
         q = j.records
         out: list[bytes] = []  # frames not written yet: one write a drain (or each _WRITE_BYTES)
         try:
@@ -258,10 +267,10 @@ class Recorder:
         except OSError as e:
             self._stop_recording("disk_full" if e.errno == errno.ENOSPC else "io_error", str(e))
 
-    def _frame_chunk(self, chunk: list[tuple[Any, ...]], out: list[bytes]) -> None:
-        """Frame ``chunk`` (records and markers, in order) onto ``out``; a marker writes
-        what is before it first. Runs of applies go to the compiled framer, which holds
-        the GIL only to read their fields; the rest is encoded here."""
+    def _frame_chunk(self, chunk: list[Any], out: list[bytes]) -> None:
+        """Frame ``chunk`` (records, runs of applies and markers, in order) onto ``out``; a
+        marker writes what is before it first. A run goes to the compiled framer, which
+        takes the GIL only to start and end; the rest is encoded here."""
         bodies: list[bytes] = []  # encoded here, not framed yet
 
         def framed() -> None:  # the bodies encoded so far onto out, in order
@@ -269,11 +278,11 @@ class Recorder:
                 out.append(_frames(bodies))
                 bodies.clear()
 
-        fast = _frame_applies if self.tokens != "none" else None
-        hashed = self.tokens == "hashed"
-        i, n = 0, len(chunk)
-        while i < n:
-            item = chunk[i]
+        for item in chunk:
+            if item.__class__ is _Run:
+                if self.stopped is None:
+                    self._frame_run(item, bodies, framed, out)
+                continue
             kind = item[0]
             if kind == "flush" or kind == "base":
                 framed()
@@ -282,24 +291,32 @@ class Recorder:
                     item[1].set()
                 elif self.stopped is None:
                     self._new_segment(item)
-                i += 1
                 continue
-            if self.stopped is not None:  # stopped: what was queued after the stop is not written
-                i += 1
-                continue
-            if fast is not None and self._file is not None and kind in (APPLY, APPLY_SEQUENCED):
-                framed()
-                self._write(out)  # what is before the run goes first: the framer writes to the file itself
-                nxt, written = fast(chunk, i, hashed, KEY_SEED, self._file.fileno())
-                if nxt > i:
-                    self._seg_bytes += written
-                    self.bytes_written += written
-                    self.records += nxt - i
-                    i = nxt
-                    continue
-            bodies.append(self._encode(item))
-            i += 1
+            if self.stopped is None:  # stopped: what was queued after the stop is not written
+                bodies.append(self._encode(item))
         framed()
+
+    def _frame_run(self, run: Any, bodies: list[bytes], framed: Any, out: list[bytes]) -> None:
+        """Frame the applies of ``run``: by the compiled framer straight to the file, but
+        for what it leaves to the Python encoder (a payload not of the plain GPU shape in
+        ``hashed`` mode; every one in ``none`` mode)."""
+        i, n = 0, len(run)
+        fast = self.tokens != "none" and self._file is not None
+        hashed = self.tokens == "hashed"
+        while i < n:
+            if fast:
+                framed()
+                self._write(out)  # what is before goes first: the framer writes to the file itself
+                assert self._file is not None
+                nxt, written = _frame_run(run, i, hashed, KEY_SEED, self._file.fileno())
+                self._seg_bytes += written
+                self.bytes_written += written
+                self.records += nxt - i
+                i = nxt
+                if i == n:
+                    break
+            bodies.append(self._encode(run.item(i)))
+            i += 1
 
     def _encode(self, item: tuple[Any, ...]) -> bytes:
         kind = item[0]
@@ -401,7 +418,7 @@ class Recorder:
             q = j.records
             while q:  # what is queued is not written; a flush waiting on it is told so
                 item = q.popleft()
-                if item[0] == "flush":
+                if item.__class__ is not _Run and item[0] == "flush":
                     item[1].set()
         try:
             self._close_file()
@@ -419,7 +436,7 @@ class Recorder:
             "stopped": self.stopped, "records": self.records, "answers": self.answers,
             "bytes_written": self.bytes_written, "segments_started": self.segments_started,
             "segments_dropped": dict(self.segments_dropped), "errors": dict(self.errors),
-            "pending": len(j.records) if j is not None else 0, "segment": self._seg_n,
+            "pending": j.pending if j is not None else 0, "segment": self._seg_n,
         }
 
 

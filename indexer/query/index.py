@@ -77,7 +77,7 @@ class PrefixIndex(Query, Peers, Store):
         """
         with self._lock:
             if self._rec is not None:
-                return str(self._rec.run(APPLY, self._apply, (engine, payload, model, dp_rank, seq, True))[0])
+                return str(self._rec.run_apply(APPLY, self._apply, engine, payload, model, dp_rank, seq, True)[0])
             return self._apply(engine, payload, model, dp_rank, seq, True)[0]
 
     def apply_sequenced(
@@ -90,6 +90,6 @@ class PrefixIndex(Query, Peers, Store):
         """
         with self._lock:
             if self._rec is not None:
-                return self._rec.run(APPLY_SEQUENCED, self._apply,  # type: ignore[no-any-return]
-                                     (engine, payload, model, dp_rank, seq, False))[1]
+                return self._rec.run_apply(APPLY_SEQUENCED, self._apply,  # type: ignore[no-any-return]
+                                           engine, payload, model, dp_rank, seq, False)[1]
             return self._apply(engine, payload, model, dp_rank, seq, False)[1]

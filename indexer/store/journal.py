@@ -8,9 +8,10 @@ readings it made (the index's clock is :meth:`Journal.clock` while one is attach
 queues ``(op, wall time, args, result, clock readings)`` for a writer thread
 (:mod:`indexer.ingest.record`). Nothing here encodes or writes: the hot paths pay a
 tuple and a deque append (in the compiled core, ``indexer/_native/journal.c``, when
-built). Reads of the clock outside a journaled call (a stats poll, a
-snapshot's cut, explain) are not noted, so a replay feeds each call exactly the readings
-it made.
+built), and a batch applied (:meth:`Journal.run_apply`) not even that: the compiled core
+copies it into an ``ApplyRun``, a buffer of many, queued whole. Reads of the clock
+outside a journaled call (a stats poll, a snapshot's cut, explain) are not noted, so a
+replay feeds each call exactly the readings it made.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class _PyJournalCore:
     one, used when built): the queue, the clock wrapper and :meth:`run`."""
 
     __slots__ = ("records", "times", "active", "raw", "max_pending", "overflowed", "values", "wake", "wake_every",
-                 "since_wake")
+                 "since_wake", "strip", "seed")
 
     def __init__(self, raw: Callable[[], float], max_pending: int = 1_000_000) -> None:
         self.values: frozenset[type] | None = None  # untracked by the compiled twin only (journal.c)
@@ -81,6 +82,8 @@ class _PyJournalCore:
         self.wake: Callable[[], Any] | None = None
         self.wake_every = 1024
         self.since_wake = 0
+        self.strip = False  # the compiled twin's: lay batches stripped (hashed mode)
+        self.seed = 0
         self.records: deque[tuple[Any, ...]] = deque()
         self.times: list[float] = []
         self.active = False
@@ -118,6 +121,19 @@ class _PyJournalCore:
         else:
             self.overflowed = True
         return r
+
+    def run_apply(self, op: int, fn: Callable[..., Any], engine: str, payload: bytes, model: str,
+                  dp_rank: int | None, seq: int | None, decide: bool) -> Any:
+        """:meth:`run` of a batch applied (the compiled twin lays it in a run instead)."""
+        return self.run(op, fn, (engine, payload, model, dp_rank, seq, decide))
+
+    def seal(self) -> None:
+        """Queue the open run: none here (the compiled twin's)."""
+
+    @property
+    def pending(self) -> int:
+        """Records queued and not written yet."""
+        return len(self.records)
 
     def _put_raised(self, op: int, wall: float, args: tuple[Any, ...], e: BaseException,
                     times: tuple[float, ...]) -> None:
@@ -160,6 +176,7 @@ class Journal(_JournalCore):
         self._put(item)
 
     def _put(self, item: tuple[Any, ...]) -> None:
+        self.seal()  # the applies before it go first
         q = self.records
         if len(q) >= self.max_pending:
             self.overflowed = True  # the writer sees it and stops the recording

@@ -1,8 +1,10 @@
-"""The compiled framer of a recording's applies (recframe.c) against the Python encoder
-it stands in for (``Recorder._encode`` and ``recfile.frame``): the same records, byte for
-byte where both keep a payload, over plain GPU batches and every shape it must leave to
-Python (docs/record.md). The references are the xxhash package's xxh3-64 and msgspec's
-decoder, not the framer's own code."""
+"""The compiled journal's runs of applies (journal.c, applyrun.c) and their framer
+(recframe.c) against the Python encoder they stand in for (``Recorder._encode`` and
+``recfile.frame``): the same records, byte for byte where both keep a payload, over plain
+GPU batches and every shape the framer must leave to Python (docs/record.md); a run's
+records read back as the tuples the journal queues for any other call. The references
+are the xxhash package's xxh3-64, msgspec's decoder and the arguments as applied, not
+the framer's own code."""
 
 from __future__ import annotations
 
@@ -40,25 +42,27 @@ def _unframe(data: bytes) -> list:
     return out
 
 
-def _frame(items, start, hashed, path) -> tuple[bytes, int]:
-    """What frame_applies writes from ``start`` (to a new file at ``path``) and its next."""
+def _frame(run, start, hashed, path) -> tuple[bytes, int]:
+    """What frame_run writes from ``start`` (to a new file at ``path``) and its next."""
     with open(path, "wb", buffering=0) as f:
-        nxt, written = core.frame_applies(items, start, hashed, KEY_SEED, f.fileno())
+        nxt, written = core.frame_run(run, start, hashed, KEY_SEED, f.fileno())
     with open(path, "rb") as f:
         data = f.read()
     assert written == len(data)
     return data, nxt
 
 
-def _journal(tmp_path, batches) -> tuple[Recorder, list]:
-    """A recorded index (no writer thread) that applied ``batches``; its queued records."""
+def _journal(tmp_path, batches, tokens="hashed") -> tuple[Recorder, list]:
+    """An index recorded in ``tokens`` mode (no writer thread) that applied ``batches``;
+    its queued runs (the base taken out)."""
     idx = PrefixIndex(clock=FakeClock())
-    rec = Recorder(str(tmp_path))
+    rec = Recorder(str(tmp_path), tokens=tokens)
     rec.attach(idx)
     for s, (engine, payload, rank) in enumerate(batches):
         idx.apply_sequenced(engine, payload, seq=s, dp_rank=rank)
-    items = [r for r in rec.journal.records if r[0] != "base"]
-    return rec, items
+    rec.journal.seal()
+    runs = [r for r in rec.journal.records if not isinstance(r, tuple)]
+    return rec, runs
 
 
 def _shapes(rnd: random.Random) -> list:
@@ -80,43 +84,103 @@ def _shapes(rnd: random.Random) -> list:
     ]
 
 
+def test_a_run_holds_each_apply_as_the_journal_queues_it(tmp_path):
+    batches = _shapes(random.Random(4)) * 2
+    _, runs = _journal(tmp_path, batches, "full")
+    assert len(runs) == 1 and len(runs[0]) == len(batches)
+    run = runs[0]
+    for i in [*range(len(batches)), 3, 0, len(batches) - 1]:  # the cursor goes back too
+        engine, payload, rank = batches[i]
+        op, wall, args, result, times = run.item(i)
+        assert op == J.APPLY_SEQUENCED and isinstance(wall, float)
+        assert args == (engine, payload, "default", rank, i, False)
+        assert result[0] in ("applied", "applied_with_duplicates", "dropped") or result[0] == "applied"
+        assert isinstance(times, tuple) and all(isinstance(t, float) for t in times)
+    with pytest.raises(IndexError):
+        run.item(len(batches))
+
+
+def test_hashed_mode_lays_the_keys_the_apply_made(tmp_path):
+    """In hashed mode a batch whose every store the compiled apply inserted is laid with
+    those keys for its token ids (the key sink): the payload recprivacy.strip_payload
+    makes from the tokens. A batch any store of which took another path (a parent the
+    worker does not map, a LoRA store, a store of block size 1, a removal) is laid whole,
+    for the writer to strip."""
+    from indexer.ingest.recprivacy import strip_payload
+
+    t = toks(0, 8, BS)
+    batches = [
+        ("e0", encode_batch([store(t, BS, 0, 2), store(t, BS, 2, 3)]), 0),  # new blocks: keyed
+        ("e0", encode_batch([store(t, BS, 0, 3)]), 0),  # the same blocks again: keyed too (duplicates)
+        ("e0", encode_batch([store(t, BS, 3, 5), store(toks(70, 2, BS), BS, 0, 2)]), 0),  # two stores
+        ("e0", encode_batch([msgspec.structs.replace(store(t, BS, 6, 8), parent_block_hash=999)]), 0),  # not mapped
+        ("e0", encode_batch([store(t, BS, 5, 6), store(t, BS, 0, 2, lora_name="ad")]), 0),  # one not plain
+        ("e1", encode_batch([store(toks(5, 2, 1), 1, 0, 2)]), 0),  # block size 1
+        ("e0", encode_batch([removed([1, 2])]), 0),
+    ]
+    first = ("e0", encode_batch([store(toks(50, 1, BS), BS, 0, 1)]), 0)  # a tree's first store: the slow path
+    _, (run,) = _journal(tmp_path, [first, *batches])
+    laid = [run.item(i)[2][1] for i in range(1, len(run))]
+    assert run.item(0)[2][1] == first[1]
+    for i in (0, 1, 2):
+        assert laid[i] == strip_payload(batches[i][1], "hashed") != batches[i][1], i
+    for i in (3, 4, 5, 6):
+        assert laid[i] == batches[i][1], i
+
+
 @pytest.mark.parametrize("mode", ["hashed", "full"])
-def test_frame_applies_writes_what_the_python_encoder_writes(tmp_path, mode):
-    rec, items = _journal(tmp_path, _shapes(random.Random(3)) * 3)
-    rec.tokens = mode
-    want = [msgspec.msgpack.decode(rec._encode(it)) for it in items]
+def test_frame_run_writes_what_the_python_encoder_writes(tmp_path, mode):
+    batches = _shapes(random.Random(3)) * 3
+    rec, runs = _journal(tmp_path, batches, mode)
+    (run,) = runs
+    # The reference: the Python encoder of each batch as applied (not as laid).
+    want = []
+    for k, (engine, payload, _) in enumerate(batches):
+        op, wall, args, result, times = run.item(k)
+        assert args[0] == engine
+        want.append(msgspec.msgpack.decode(rec._encode((op, wall, (engine, payload, *args[2:]), result, times))))
+    laid_stripped = sum(run.item(k)[2][1] != batches[k][1] for k in range(len(run)))
+    assert laid_stripped >= (8 if mode == "hashed" else 0) and (mode == "hashed" or laid_stripped == 0)
     got, i = [], 0
     out = tmp_path / "frames"
-    while i < len(items):
-        frames, nxt = _frame(items, i, mode == "hashed", out)
-        if nxt == i:  # left to Python
-            got.append(msgspec.msgpack.decode(rec._encode(items[i])))
-            i += 1
-            continue
+    while i < len(run):
+        frames, nxt = _frame(run, i, mode == "hashed", out)
         got += [msgspec.msgpack.decode(b) for b in _unframe(frames)]
+        if nxt < len(run) and nxt == i:  # left to Python
+            got.append(msgspec.msgpack.decode(rec._encode(run.item(i))))
+            nxt += 1
         i = nxt
     assert got == want
     # The compiled framer took the plain batches: not every record fell to Python.
-    firsts = [_frame(items, k, mode == "hashed", out)[1] - k for k in range(len(items))]
+    firsts = [_frame(run, k, mode == "hashed", out)[1] - k for k in range(len(run))]
     assert sum(1 for d in firsts if d > 0) >= 12
-
-
-def test_frame_applies_stops_at_what_is_not_an_apply(tmp_path):
-    rec, items = _journal(tmp_path, _shapes(random.Random(1))[:2])
-    mixed = [items[0], ("note", 1.0, "replayed", "e0", 0, None), items[1], (J.ROUTE_DONE, 1.0, ("r",), None, [])]
-    out = tmp_path / "frames"
-    assert _frame(mixed, 0, True, out)[1] == 1
-    assert _frame(mixed, 1, True, out) == (b"", 1)
-    assert _frame(mixed, 2, True, out)[1] == 3
-    assert _frame(mixed, 3, True, out) == (b"", 3)
+    if mode == "full":
+        assert _frame(run, 0, False, out)[1] == len(run)  # every payload kept whole
     with pytest.raises(IndexError):
-        _frame(mixed, 5, True, out)
+        _frame(run, len(run) + 1, True, out)
+
+
+def test_a_run_is_queued_before_any_other_record(tmp_path):
+    """Order: the applies before a note, a query or a flush go first, each run whole."""
+    idx = PrefixIndex(clock=FakeClock())
+    rec = Recorder(str(tmp_path))
+    rec.attach(idx)
+    t = toks(0, 6, BS)
+    idx.apply_sequenced("e0", encode_batch([store(t, BS, 0, 3)]), seq=0)
+    idx.apply_sequenced("e0", encode_batch([store(t, BS, 3, 6)]), seq=1)
+    rec.note("replayed", "e0", 0, 1)
+    idx.apply_sequenced("e0", encode_batch([removed([1])]), seq=2)
+    idx.route_done("nothing")
+    kinds = [("run", len(r)) if not isinstance(r, tuple) else r[0] for r in rec.journal.records]
+    assert kinds == ["base", ("run", 2), "note", ("run", 1), J.ROUTE_DONE]
+    assert rec.journal.pending == 6
+    rec.stop()
 
 
 def test_a_full_disk_is_an_oserror(tmp_path):
-    _, items = _journal(tmp_path, _shapes(random.Random(2))[:3])
+    _, (run,) = _journal(tmp_path, _shapes(random.Random(2))[:3])
     with open("/dev/full", "wb", buffering=0) as f, pytest.raises(OSError) as e:
-        core.frame_applies(items, 0, True, KEY_SEED, f.fileno())
+        core.frame_run(run, 0, True, KEY_SEED, f.fileno())
     assert e.value.errno == 28  # ENOSPC
 
 
