@@ -349,6 +349,8 @@ class JournalCore:
     values: frozenset[type] | None
     wake: Callable[[], Any] | None
     wake_every: int
+    wake_bytes: int
+    run_bytes: int
     strip: bool
     seed: int
 
@@ -362,6 +364,8 @@ class JournalCore:
         """``fn(engine, ..., decide)``, the batch laid in the open run (or queued as ``run`` does)."""
     def seal(self) -> None:
         """Queue the open run, if it holds any apply."""
+    def stock(self, nbytes: int, /) -> None:
+        """Keep buffers (made and touched now) for runs holding ``nbytes``."""
     @property
     def pending(self) -> int:
         """Records queued and not written yet (each apply of a run counted)."""

@@ -49,7 +49,7 @@ ar_dealloc(ApplyRun *self)
 {
     PyObject_GC_UnTrack(self);
     if (self->journal != NULL)
-        kvi_journal_release(self->journal, self->count, self->buf, self->cap);
+        kvi_journal_release(self->journal, self->count, self->len, self->buf, self->cap);
     else
         free(self->buf);
     self->buf = NULL;

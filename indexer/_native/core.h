@@ -134,9 +134,9 @@ sink_here(void)
 
 /* Record ``i`` of ``run`` (0 <= i < count; moves the cursor; no GIL needed). */
 KVI_HIDDEN const ARec *kvi_run_rec(ApplyRun *run, Py_ssize_t i);
-/* A run is done with: its journal counts ``count`` fewer pending records and may keep
- * ``buf`` for its next run (else it is freed). */
-KVI_HIDDEN void kvi_journal_release(PyObject *journal, Py_ssize_t count, unsigned char *buf, size_t cap);
+/* A run is done with: its journal counts ``count`` fewer pending records (``len`` fewer
+ * bytes) and may keep ``buf`` for its next run (else it is freed). */
+KVI_HIDDEN void kvi_journal_release(PyObject *journal, Py_ssize_t count, size_t len, unsigned char *buf, size_t cap);
 
 /* Made by the module's init (_core.c), one reference held there. */
 extern KVI_HIDDEN PyObject *kvi_DEAD;     /* the sentinel parent of freed nodes; module attribute DEAD */

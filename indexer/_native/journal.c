@@ -11,15 +11,17 @@
  * bytes, numbers, and the call's own arguments and result, which stay tracked if
  * they are containers). A batch applied is not even that: run_apply copies it into the
  * open ApplyRun (applyrun.c says why), which goes on the queue whole, in order: before
- * any other record is queued, and every wake_every records. */
+ * any other record is queued, and when it is full. */
 #include "core.h"
 
 #include <time.h>
 
-/* Buffers of released runs kept for the next ones: a new 1 MiB buffer is the C
- * allocator's fresh mmap, ~250 page faults (~1 us a batch laid in it); kept, the writer
- * hands back what the ingest thread fills next. */
-#define SPARE_RUNS 4
+/* Buffers for runs, kept: a new 1 MiB buffer is the C allocator's fresh mmap, whose
+ * ~256 pages each fault on first touch (2-4 us each on this VM, and charged to the
+ * memory cgroup) on the thread that applies batches: ~5,000 faults for 10^6 blocks, ~4%
+ * of a burst's ingest. stock() makes and touches them once (as many as wake_bytes
+ * holds, when the recording starts), and a run written hands its buffer back. */
+#define SPARE_MAX 256
 
 typedef struct {
     PyObject_HEAD
@@ -29,13 +31,15 @@ typedef struct {
     PyObject *values;  /* a frozenset of types whose instances a record may untrack (untrack_graph), or NULL */
     PyObject *wake;    /* called with no argument every wake_every records queued (the writer's event), or NULL */
     Py_ssize_t wake_every, since_wake;
+    Py_ssize_t wake_bytes; /* and when the runs not written yet hold this many bytes */
+    Py_ssize_t run_bytes;  /* what the runs not released yet hold */
     Py_ssize_t max_pending;
     char active, overflowed;
     double *times; /* the clock readings of the calls running (nested ones after the outer's) */
     Py_ssize_t nt, tcap;
     ApplyRun *open;       /* the run run_apply lays applies in, not queued yet, or NULL */
-    unsigned char *spare[SPARE_RUNS]; /* released runs' buffers (RUN_BYTES each), for the next runs */
-    int nspare;
+    unsigned char *spare[SPARE_MAX]; /* buffers (RUN_BYTES each) for the next runs */
+    int nspare, keep;                 /* how many are there, and kept at most */
     Py_ssize_t in_runs;   /* applies in runs not released yet (open or queued) */
     Py_ssize_t sealed;    /* runs queued and not released yet */
     char strip;           /* lay plain GPU stores with their keys for token ids (hashed mode) */
@@ -43,6 +47,7 @@ typedef struct {
 } JournalCore;
 
 KVI_HIDDEN KeySink kvi_sink;
+
 
 /* A run's buffer: a run is queued when the next apply does not fit (or one bigger than
  * this has a run of its own). At ~4 KB a batch, wake_every (1024) applies fill ~4 MB. */
@@ -75,6 +80,8 @@ jc_init(JournalCore *self, PyObject *args, PyObject *kwds)
     self->max_pending = max_pending;
     self->wake_every = 1024;
     self->since_wake = 0;
+    self->wake_bytes = 32 << 20;
+    self->keep = 4;
     self->active = self->overflowed = 0;
     self->nt = 0;
     return 0;
@@ -237,13 +244,14 @@ seal(JournalCore *self)
 }
 
 KVI_HIDDEN void
-kvi_journal_release(PyObject *journal, Py_ssize_t count, unsigned char *buf, size_t cap)
+kvi_journal_release(PyObject *journal, Py_ssize_t count, size_t len, unsigned char *buf, size_t cap)
 {
     JournalCore *self = (JournalCore *)journal;
     self->in_runs -= count;
+    self->run_bytes -= (Py_ssize_t)len;
     if (self->open == NULL || self->open->buf != buf) /* a run queued (the open one is dropped unqueued only with the journal) */
         self->sealed--;
-    if (buf != NULL && self->nspare < SPARE_RUNS && cap == RUN_BYTES)
+    if (buf != NULL && self->nspare < self->keep && cap == RUN_BYTES)
         self->spare[self->nspare++] = buf;
     else
         free(buf);
@@ -277,15 +285,21 @@ has_room(JournalCore *self)
     return 1;
 }
 
-/* Every wake_every records the writer is woken rather than left to its timer: a
- * record keeps its payload (a copy of it, in a run) until written, and at tens of
- * thousands of batches a second 0.2 s of them (tens of MB) meant every new payload was
- * written to memory no longer in any cache, on the thread that applies them. The open
- * run is queued first, so the writer finds it. 0, or -1 with an error set. */
+/* Every wake_every records the writer is woken rather than left to its timer: a record
+ * keeps what its call was handed and returned alive until written (a query's key source,
+ * its answer), and at thousands of queries a second 0.2 s of them was memory no longer
+ * in any cache. The applies of a run are copies and count by their bytes: the writer is
+ * woken when the runs not written yet hold wake_bytes. Each wake costs the thread that
+ * applies batches the GIL handoffs of the writer's drain; woken every 1024 applies
+ * (~2 MB), a burst applied ~5% slower than woken by the timer and by the bytes
+ * (bench_record.py --service). The open run is queued first, so the writer finds it.
+ * ``run``: an apply laid in a run. 0, or -1 with an error set. */
 static int
-counted(JournalCore *self)
+counted(JournalCore *self, int run)
 {
-    if (self->wake == NULL || self->wake == Py_None || ++self->since_wake < self->wake_every)
+    if (self->wake == NULL || self->wake == Py_None)
+        return 0;
+    if (run ? self->run_bytes < self->wake_bytes : ++self->since_wake < self->wake_every)
         return 0;
     self->since_wake = 0;
     if (seal(self) < 0)
@@ -350,7 +364,7 @@ queue_call(JournalCore *self, PyObject *op, PyObject *cargs, PyObject *r, Py_ssi
     }
     PyObject *rec = PyTuple_New(5);
     PyObject *w = PyFloat_FromDouble(wall);
-    if (rec == NULL || w == NULL || seal(self) < 0) {
+    if (rec == NULL || w == NULL) {
         Py_XDECREF(rec);
         Py_XDECREF(w);
         Py_DECREF(times);
@@ -365,12 +379,17 @@ queue_call(JournalCore *self, PyObject *op, PyObject *cargs, PyObject *r, Py_ssi
     PyTuple_SET_ITEM(rec, 2, cargs);
     PyTuple_SET_ITEM(rec, 3, r);
     PyTuple_SET_ITEM(rec, 4, times);
+    if (seal(self) < 0) {
+        Py_DECREF(rec);
+        Py_DECREF(r);
+        return NULL;
+    }
     untrack_values(self, cargs);
     untrack_values(self, r);
     PyObject_GC_UnTrack(rec); /* holds a cycle only if its args or result do: they stay tracked then */
     PyObject *res = PyObject_CallOneArg(self->append, rec);
     Py_DECREF(rec);
-    if (res == NULL || counted(self) < 0) {
+    if (res == NULL || counted(self, 0) < 0) {
         Py_XDECREF(res);
         Py_DECREF(r);
         return NULL;
@@ -392,6 +411,39 @@ jc_run(JournalCore *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *r = PyObject_Call(args[1], args[2], NULL);
     self->active = prev;
     return queue_call(self, args[0], args[2], r, base);
+}
+
+/* The open run, with room for ``need`` more bytes (the one before queued if it has
+ * not), or NULL with an error set. */
+static ApplyRun *
+open_run(JournalCore *self, size_t need)
+{
+    ApplyRun *run = self->open;
+    if (run != NULL && run->len + need > run->cap && seal(self) < 0)
+        return NULL;
+    run = self->open;
+    if (run == NULL) {
+        run = PyObject_GC_New(ApplyRun, &kvi_ApplyRunType);
+        if (run == NULL)
+            return NULL;
+        size_t cap = need > RUN_BYTES ? need : RUN_BYTES;
+        unsigned char *buf = cap == RUN_BYTES && self->nspare > 0 ? self->spare[--self->nspare] : malloc(cap);
+        if (buf == NULL) {
+            PyObject_GC_Del(run);
+            PyErr_NoMemory();
+            return NULL;
+        }
+        Py_INCREF(self);
+        run->journal = (PyObject *)self;
+        run->buf = buf;
+        run->cap = cap;
+        run->len = 0;
+        run->count = run->at_i = 0;
+        run->at_off = 0;
+        PyObject_GC_Track(run);
+        self->open = run;
+    }
+    return run;
 }
 
 /* An int that fits int64, or None: 1 (``*has`` says which); 0 anything else. */
@@ -458,31 +510,9 @@ lay_apply(JournalCore *self, long op, PyObject *const *a, PyObject *r, Py_ssize_
     size_t need = pad8(sizeof(ARec) + nt * 8 + (size_t)en + (size_t)mn + (size_t)on + pn);
     if (need > UINT32_MAX)
         return 0;
-    ApplyRun *run = self->open;
-    if (run != NULL && run->len + need > run->cap && seal(self) < 0)
+    ApplyRun *run = open_run(self, need);
+    if (run == NULL)
         return -1;
-    run = self->open;
-    if (run == NULL) {
-        run = PyObject_GC_New(ApplyRun, &kvi_ApplyRunType);
-        if (run == NULL)
-            return -1;
-        size_t cap = need > RUN_BYTES ? need : RUN_BYTES;
-        unsigned char *buf = cap == RUN_BYTES && self->nspare > 0 ? self->spare[--self->nspare] : malloc(cap);
-        if (buf == NULL) {
-            PyObject_GC_Del(run);
-            PyErr_NoMemory();
-            return -1;
-        }
-        Py_INCREF(self);
-        run->journal = (PyObject *)self;
-        run->buf = buf;
-        run->cap = cap;
-        run->len = 0;
-        run->count = run->at_i = 0;
-        run->at_off = 0;
-        PyObject_GC_Track(run);
-        self->open = run;
-    }
     h.size = (uint32_t)need;
     h.op = (uint8_t)op;
     h.decide = a[5] == Py_True;
@@ -537,6 +567,7 @@ lay_apply(JournalCore *self, long op, PyObject *const *a, PyObject *r, Py_ssize_
         memcpy(p, src + from, (size_t)PyBytes_GET_SIZE(a[1]) - from);
     }
     run->len += need;
+    self->run_bytes += (Py_ssize_t)need;
     run->count++;
     self->in_runs++;
     return 1;
@@ -571,7 +602,7 @@ jc_run_apply(JournalCore *self, PyObject *const *args, Py_ssize_t nargs)
         int laid = room_ > 0 ? lay_apply(self, op, args + 2, r, base, sink) : room_;
         if (laid != 0) {
             self->nt = base;
-            if (laid < 0 || counted(self) < 0) {
+            if (laid < 0 || counted(self, 1) < 0) {
                 Py_DECREF(r);
                 return NULL;
             }
@@ -593,6 +624,26 @@ jc_run_apply(JournalCore *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *res = queue_call(self, args[0], cargs, r, base);
     Py_DECREF(cargs);
     return res;
+}
+
+static PyObject *
+jc_stock(JournalCore *self, PyObject *arg)
+{
+    Py_ssize_t bytes = PyLong_AsSsize_t(arg);
+    if (bytes == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t n = (bytes + RUN_BYTES - 1) / RUN_BYTES;
+    self->keep = n < 4 ? 4 : n > SPARE_MAX ? SPARE_MAX : (int)n;
+    while (self->nspare < self->keep) {
+        unsigned char *buf = malloc(RUN_BYTES);
+        if (buf == NULL)
+            return PyErr_NoMemory();
+        /* Each page faulted in now. Not with 0: malloc and a zeroing memset may become
+         * calloc, which touches nothing. */
+        memset(buf, 0xA5, RUN_BYTES);
+        self->spare[self->nspare++] = buf;
+    }
+    Py_RETURN_NONE;
 }
 
 static PyObject *
@@ -621,6 +672,8 @@ static PyMethodDef jc_methods[] = {
     {"run_apply", (PyCFunction)(void (*)(void))jc_run_apply, METH_FASTCALL,
      "run_apply(op, fn, engine, payload, model, dp_rank, seq, decide) -> fn(engine, ..., decide), laid in the open run."},
     {"seal", (PyCFunction)jc_seal, METH_NOARGS, "Queue the open run (what was applied so far), if any."},
+    {"stock", (PyCFunction)jc_stock, METH_O,
+     "stock(bytes): keep buffers for runs holding that many bytes (at least 4), made and touched now."},
     {"clock", (PyCFunction)jc_clock, METH_NOARGS, "The index's clock while recording: a reading inside a run is noted."},
     {NULL, NULL, 0, NULL},
 };
@@ -630,6 +683,9 @@ static PyMemberDef jc_members[] = {
     {"raw", T_OBJECT, offsetof(JournalCore, raw), READONLY, "the index's own clock"},
     {"wake", T_OBJECT, offsetof(JournalCore, wake), 0, "called every wake_every records queued (or None)"},
     {"wake_every", T_PYSSIZET, offsetof(JournalCore, wake_every), 0, "records between two calls of wake"},
+    {"wake_bytes", T_PYSSIZET, offsetof(JournalCore, wake_bytes), 0,
+     "and wake is called when the runs not written yet hold this many bytes"},
+    {"run_bytes", T_PYSSIZET, offsetof(JournalCore, run_bytes), READONLY, "bytes the runs not written yet hold"},
     {"values", T_OBJECT, offsetof(JournalCore, values), 0,
      "a frozenset of types a record's values may be instances of and still be untracked (or None)"},
     {"max_pending", T_PYSSIZET, offsetof(JournalCore, max_pending), 0, "records queued at most"},

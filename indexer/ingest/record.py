@@ -48,12 +48,16 @@ log = logging.getLogger("indexer.ingest.record")
 
 FORMAT = 1
 _enc = msgspec.msgpack.Encoder()
-# Records the writer takes from the queue at a time: the compiled framer holds the GIL
-# for ~0.1 us a record to read a run's fields, so a query waits at most ~50 us for it.
+# Records (and runs) the writer takes from the queue at a time.
 _CHUNK = 512
 # What the writer holds before a write: each write lets go of the GIL and takes it back,
 # which costs the threads on the hot paths a switch; one a drain is enough.
 _WRITE_BYTES = 8 << 20
+# Records encoded here between two hand-overs of the GIL. A query's record is ~3-7 us of
+# Python; a request that needs the GIL meanwhile waits for the switch interval (0.2 ms in
+# the service) unless the writer lets go: encoded 1,024 at a time without, the service's
+# /query and /v1/route p99 were +50-80% while recorded (bench_record.py --service).
+_YIELD_EVERY = 8
 
 
 def _frames_py(bodies: list[bytes]) -> bytes:
@@ -91,16 +95,23 @@ class Recorder:
         the payloads' token ids (:mod:`.recprivacy`).
     flush_s:
         How often the writer wakes to write what was queued.
-    wake_every:
-        And it is woken every this many records queued (a burst is written as it comes:
-        its payloads are not held long).
+    wake_every, wake_bytes:
+        And it is woken every this many records queued (a query's record holds its
+        objects), and when the batches applied and not written yet (copied, stripped in
+        ``hashed`` mode, into the journal's runs) hold this many bytes (32 MiB: about 10^6
+        blocks, written by the writer in one drain instead of one every few hundred batches).
+    defer_s:
+        A timer's wake leaves what is queued this long: a burst is written when it is
+        over, not while it competes with the ingest (:meth:`_defer`). 0: written at every
+        wake. What is not written yet is lost if the process dies.
     max_pending:
         Records queued at most while the writer is behind; beyond, the recording stops.
     """
 
     def __init__(self, directory: str, *, max_bytes: int = 1 << 30, max_age_s: float = 0.0,
                  segment_bytes: int = 64 << 20, segment_s: float = 600.0, tokens: str = "hashed",
-                 flush_s: float = 0.2, max_pending: int = 1_000_000, wake_every: int = 1024) -> None:
+                 flush_s: float = 0.2, max_pending: int = 1_000_000, wake_every: int = 1024,
+                 wake_bytes: int = 32 << 20, defer_s: float = 1.0) -> None:
         if tokens not in MODES:
             raise ValueError(f"tokens must be one of {', '.join(MODES)}, not {tokens!r}")
         if segment_bytes < 4096 or max_bytes < segment_bytes:
@@ -113,6 +124,9 @@ class Recorder:
         self.tokens = tokens
         self.flush_s = float(flush_s)
         self.wake_every = max(1, int(wake_every))
+        self.wake_bytes = max(1, int(wake_bytes))
+        self.defer_s = float(defer_s)
+        self._held: float | None = None  # when a deferred backlog of batches began
         self.journal: Journal | None = None
         self.index: PrefixIndex | None = None
         self._max_pending = int(max_pending)
@@ -156,6 +170,7 @@ class Recorder:
             # apply made in place of its token ids (core.h's key sink), not the writer.
             j.strip = self.tokens == "hashed"
             j.seed = KEY_SEED
+            j.stock(self.wake_bytes)  # the runs' buffers, touched now (journal.c)
             self.journal = j
             self.index = index
             index._rec = j
@@ -196,14 +211,15 @@ class Recorder:
     # ------------------------------------------------------------------ the writer
 
     def start(self) -> None:
-        """Start the writer thread: woken every ``flush_s``, and every ``wake_every``
-        records queued (journal.c says why)."""
+        """Start the writer thread: woken every ``flush_s``, every ``wake_every`` records
+        queued and at ``wake_bytes`` of applies (journal.c says why)."""
         if self._thread is None:
             self._halt = False
             j = self.journal
             if j is not None:
                 j.wake = self._wake.set
                 j.wake_every = self.wake_every
+                j.wake_bytes = self.wake_bytes
             self._thread = threading.Thread(target=self._run, name="kvidx-record", daemon=True)
             self._thread.start()
 
@@ -239,12 +255,30 @@ class Recorder:
 
     def _run(self) -> None:
         while not self._halt:
-            self._wake.wait(self.flush_s)
+            woken = self._wake.wait(self.flush_s)
             self._wake.clear()
+            if not woken and self._defer():
+                continue
+            self._held = None
             self._drain()
             if self._file is not None and self.stopped is None:
                 self._maybe_rotate()
         self._drain()
+
+    def _defer(self) -> bool:
+        """Whether a timer's wake leaves what is queued for later (``defer_s``): a burst
+        is written when it is over, not while it competes with the ingest for the GIL and
+        the cores (written as it came, ~6% of a saturated ingest on this 2-core VM)."""
+        j = self.journal
+        if j is None or self.defer_s <= 0:
+            return False
+        if not j.records and j.run_bytes == 0:  # nothing queued: the wait starts with a backlog
+            self._held = None
+            return True
+        now = time.monotonic()
+        if self._held is None:
+            self._held = now
+        return now - self._held < self.defer_s
 
     def _drain(self) -> None:
         j = self.journal
@@ -294,6 +328,8 @@ class Recorder:
                 continue
             if self.stopped is None:  # stopped: what was queued after the stop is not written
                 bodies.append(self._encode(item))
+                if len(bodies) % _YIELD_EVERY == 0:
+                    time.sleep(0)  # the GIL to a request waiting for it, now (see _YIELD_EVERY)
         framed()
 
     def _frame_run(self, run: Any, bodies: list[bytes], framed: Any, out: list[bytes]) -> None:
@@ -319,15 +355,15 @@ class Recorder:
             i += 1
 
     def _encode(self, item: tuple[Any, ...]) -> bytes:
-        kind = item[0]
-        if kind == "note":
+        if item[0] == "note":
             return _enc.encode(list(item))
         op, wall, args, result, times = item
         self.records += 1
         res = encode_result(op, result)
+        body = _enc.encode([op, wall, times, encode_call(op, args, result, self.tokens), res])
         if isinstance(res, list) and len(res) == 3 and isinstance(res[1], int):
             self.answers += 1
-        return _enc.encode([op, wall, times, encode_call(op, args, result, self.tokens), res])
+        return body
 
     def _write(self, frames: list[bytes]) -> None:
         """Write ``frames`` and empty the list (dropped when the recording stopped)."""

@@ -74,13 +74,15 @@ class _PyJournalCore:
     one, used when built): the queue, the clock wrapper and :meth:`run`."""
 
     __slots__ = ("records", "times", "active", "raw", "max_pending", "overflowed", "values", "wake", "wake_every",
-                 "since_wake", "strip", "seed")
+                 "wake_bytes", "run_bytes", "since_wake", "strip", "seed")
 
     def __init__(self, raw: Callable[[], float], max_pending: int = 1_000_000) -> None:
         self.values: frozenset[type] | None = None  # untracked by the compiled twin only (journal.c)
         # Called every wake_every records (the writer's event): journal.c says why.
         self.wake: Callable[[], Any] | None = None
         self.wake_every = 1024
+        self.wake_bytes = 32 << 20  # the compiled twin's runs (here every record counts)
+        self.run_bytes = 0
         self.since_wake = 0
         self.strip = False  # the compiled twin's: lay batches stripped (hashed mode)
         self.seed = 0
@@ -129,6 +131,9 @@ class _PyJournalCore:
 
     def seal(self) -> None:
         """Queue the open run: none here (the compiled twin's)."""
+
+    def stock(self, nbytes: int) -> None:
+        """Keep buffers for runs of ``nbytes``: none here (the compiled twin's)."""
 
     @property
     def pending(self) -> int:
