@@ -14,7 +14,7 @@ import pytest
 
 from evkit import FakeClock, apply, removed, store, toks
 from indexer import PrefixIndex
-from indexer.ingest.recfile import segments
+from indexer.ingest.recfile import read_segment, segments
 from indexer.ingest.record import Recorder
 from indexer.ingest.replay import describe, replay
 from indexer.producer.events import Cleared, encode_batch
@@ -195,6 +195,32 @@ def test_a_base_larger_than_a_segment_does_not_begin_a_segment_per_write(tmp_pat
     assert rec.segments_started == 1 and len(segs) == 1
     rep = replay(str(tmp_path))
     assert rep.mismatch is None and rep.answers == 10 == rep.reproduced
+
+
+def test_a_segment_holds_at_least_its_base_before_the_next_one(tmp_path):
+    """A base is the whole index, dumped under its lock: a segment is closed once what
+    follows its base passes both record_segment_bytes and the base's own size, so a large
+    index is not dumped again every few MB of calls (each closed segment here: its base,
+    then at least as much again)."""
+    idx = PrefixIndex(clock=FakeClock())
+    for i in range(64):  # 1,024 blocks: a base of tens of KB
+        apply(idx, [store(toks(10_000 * i, 16, BS), BS, 0, 16)], engine="e0")
+    rec = Recorder(str(tmp_path), segment_bytes=4096, max_bytes=1 << 30, flush_s=0.001)
+    rec.attach(idx)
+    rec.start()
+    for i in range(150):
+        idx.match(toks(10_000 * (i % 64), 16, BS))
+        rec.flush()  # written, and the writer checks the segment's size
+    rec.stop()
+    segs = segments(str(tmp_path))
+    assert len(segs) >= 2
+    for _, _, path in segs[:-1]:
+        offsets = [x[0] for x in read_segment(path)]
+        base = offsets[1]  # where the record after the base begins
+        after = os.path.getsize(path) - base
+        assert base > 4096 and after >= base, (base, after)
+    rep = replay(str(tmp_path))
+    assert rep.mismatch is None and rep.answers == 150 == rep.reproduced
 
 
 def test_until_stops_at_a_call(tmp_path):
