@@ -87,11 +87,8 @@ class Recorder:
         ``max_age_s`` 0 keeps segments of any age. The current segment is never deleted.
     segment_bytes, segment_s:
         A segment is closed and the next one (with its own base) begun once what follows
-        its base passes ``segment_bytes`` and the base's own size, or past ``segment_s``.
-        A base is the whole index (~27 B an entry: 265 MB at 10^7), dumped under its lock
-        (~1 s of CPU at 4·10^6 entries): a segment holds at least as much as its base,
-        so bases are at most half of what is written, and their cost per record written
-        does not grow with the index.
+        its base passes ``segment_bytes`` and the base's own size (a base is the whole
+        index, dumped under its lock: docs/record.md), or past ``segment_s``.
     tokens:
         ``"hashed"`` (default), ``"full"`` or ``"none"``: what is kept of prompts and of
         the payloads' token ids (:mod:`.recprivacy`).
@@ -99,9 +96,8 @@ class Recorder:
         How often the writer wakes to write what was queued.
     wake_every, wake_bytes:
         And it is woken every this many records queued (a query's record holds its
-        objects), and when the batches applied and not written yet (copied, stripped in
-        ``hashed`` mode, into the journal's runs) hold this many bytes (32 MiB: about 10^6
-        blocks, written by the writer in one drain instead of one every few hundred batches).
+        objects), and when the batches applied and not written yet (copies, in the
+        journal's runs) hold this many bytes (32 MiB: ~10^6 blocks).
     defer_s:
         A timer's wake leaves what is queued this long: a burst is written when it is
         over, not while it competes with the ingest (:meth:`_defer`). 0: written at every
