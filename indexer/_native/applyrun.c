@@ -1,6 +1,8 @@
-/* applyrun.c: ApplyRun, a run of applies a recording journaled, laid out by
- * JournalCore.run_apply (journal.c) in one buffer of the C allocator's: a head (ARec,
- * core.h) and the bytes of each, with no Python object per batch.
+/* applyrun.c: ApplyRun, a run of applies a recording journaled, laid out in one buffer
+ * of the C allocator's: a head (ARec, core.h) and the bytes of each, with no Python
+ * object per batch. Here too: how JournalCore.run_apply (journal.c) lays a batch in the
+ * open run (kvi_lay_apply, stripped with the key sink's keys in hashed mode), and the
+ * runs' buffers it keeps (kvi_journal_stock, kvi_journal_release).
  *
  * Why: as a tuple of its arguments, result and clock readings, each batch's record made
  * ~8 objects on the thread that applies batches and kept the payload alive until the
@@ -14,7 +16,7 @@
  * is record i as the journal's tuple ``(op, wall, args, result, times)``, for what the
  * compiled framer leaves to the Python encoder (never a record laid stripped, whose
  * payload is already as ``hashed`` mode keeps it: that is the payload it gives). */
-#include "core.h"
+#include "journal.h"
 
 KVI_HIDDEN const ARec *
 kvi_run_rec(ApplyRun *run, Py_ssize_t i)
@@ -29,6 +31,205 @@ kvi_run_rec(ApplyRun *run, Py_ssize_t i)
     }
     return (const ARec *)(run->buf + run->at_off);
 }
+
+/* ------------------------------------------------------------------ laying applies */
+
+KVI_HIDDEN void
+kvi_journal_release(PyObject *journal, Py_ssize_t count, size_t len, unsigned char *buf, size_t cap)
+{
+    JournalCore *self = (JournalCore *)journal;
+    self->in_runs -= count;
+    self->run_bytes -= (Py_ssize_t)len;
+    if (self->wake_at > self->run_bytes + self->wake_bytes)
+        self->wake_at = self->run_bytes + self->wake_bytes;
+    if (self->open == NULL || self->open->buf != buf) /* a run queued (the open one is dropped unqueued only with the journal) */
+        self->sealed--;
+    if (buf != NULL && self->nspare < self->keep && cap == RUN_BYTES)
+        self->spare[self->nspare++] = buf;
+    else
+        free(buf);
+}
+
+/* The open run, with room for ``need`` more bytes (the one before queued if it has
+ * not), or NULL with an error set. */
+static ApplyRun *
+open_run(JournalCore *self, size_t need)
+{
+    ApplyRun *run = self->open;
+    if (run != NULL && run->len + need > run->cap && kvi_seal(self) < 0)
+        return NULL;
+    run = self->open;
+    if (run == NULL) {
+        run = PyObject_GC_New(ApplyRun, &kvi_ApplyRunType);
+        if (run == NULL)
+            return NULL;
+        size_t cap = need > RUN_BYTES ? need : RUN_BYTES;
+        unsigned char *buf = cap == RUN_BYTES && self->nspare > 0 ? self->spare[--self->nspare] : malloc(cap);
+        if (buf == NULL) {
+            PyObject_GC_Del(run);
+            PyErr_NoMemory();
+            return NULL;
+        }
+        Py_INCREF(self);
+        run->journal = (PyObject *)self;
+        run->buf = buf;
+        run->cap = cap;
+        run->len = 0;
+        run->count = run->at_i = 0;
+        run->at_off = 0;
+        PyObject_GC_Track(run);
+        self->open = run;
+    }
+    return run;
+}
+
+/* An int that fits int64, or None: 1 (``*has`` says which); 0 anything else. */
+static int
+opt_i64(PyObject *o, int64_t *v, uint8_t *has)
+{
+    *has = o != Py_None;
+    if (!*has)
+        return 1;
+    if (!PyLong_CheckExact(o))
+        return 0;
+    int of;
+    *v = PyLong_AsLongLongAndOverflow(o, &of);
+    if (*v == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return !of;
+}
+
+static size_t
+pad8(size_t n)
+{
+    return (n + 7) & ~(size_t)7;
+}
+
+/* The apply whose arguments are ``a`` (engine, payload, model, dp_rank, seq, decide) and
+ * result ``r`` laid in the open run (``sink``: this call opened the key sink, stripped
+ * when it holds every store's keys): 1; 0 not of the shape a run holds (the caller
+ * queues it as a tuple); -1 out of memory. */
+KVI_HIDDEN int
+kvi_lay_apply(JournalCore *self, long op, PyObject *const *a, PyObject *r, Py_ssize_t base, int sink)
+{
+    if (!PyUnicode_CheckExact(a[0]) || !PyBytes_CheckExact(a[1]) || !PyUnicode_CheckExact(a[2]) ||
+        !PyBool_Check(a[5]) || !PyTuple_CheckExact(r) || PyTuple_GET_SIZE(r) != 2)
+        return 0;
+    PyObject *outcome = PyTuple_GET_ITEM(r, 0), *ts = PyTuple_GET_ITEM(r, 1);
+    if (!PyUnicode_CheckExact(outcome) || !(ts == Py_None || PyFloat_CheckExact(ts)))
+        return 0;
+    ARec h;
+    memset(&h, 0, sizeof h);
+    if (!opt_i64(a[3], &h.dp_rank, &h.has_rank) || !opt_i64(a[4], &h.seq, &h.has_seq))
+        return 0;
+    Py_ssize_t en, mn, on;
+    const char *engine = PyUnicode_AsUTF8AndSize(a[0], &en), *model = PyUnicode_AsUTF8AndSize(a[2], &mn),
+               *out = PyUnicode_AsUTF8AndSize(outcome, &on);
+    if (engine == NULL || model == NULL || out == NULL) {
+        PyErr_Clear(); /* a lone surrogate: the tuple's encoder says what it says */
+        return 0;
+    }
+    size_t pn = (size_t)PyBytes_GET_SIZE(a[1]), nt = (size_t)(self->nt - base);
+    /* Stripped (the key sink, core.h): each store's token_ids value (a msgpack array)
+     * becomes a bin of its keys, 8 bytes a block, as recprivacy.strip_payload makes it. */
+    KeySink *ks = &kvi_sink;
+    int stripped = sink && ks->scanned == 1 && ks->nstores > 0;
+    for (uint32_t i = 0; stripped && i < ks->nstores; i++)
+        stripped = ks->stores[i].keyed;
+    if (stripped) {
+        for (uint32_t i = 0; i < ks->nstores; i++) {
+            size_t kb = (size_t)ks->stores[i].nblocks * 8;
+            pn = pn - (ks->stores[i].tok_end - ks->stores[i].tok_at) + kb + (kb < 256 ? 2 : kb < 65536 ? 3 : 5);
+        }
+    }
+    size_t need = pad8(sizeof(ARec) + nt * 8 + (size_t)en + (size_t)mn + (size_t)on + pn);
+    if (need > UINT32_MAX)
+        return 0;
+    ApplyRun *run = open_run(self, need);
+    if (run == NULL)
+        return -1;
+    h.size = (uint32_t)need;
+    h.op = (uint8_t)op;
+    h.decide = a[5] == Py_True;
+    h.has_ts = ts != Py_None;
+    h.ts = h.has_ts ? PyFloat_AS_DOUBLE(ts) : 0.0;
+    h.wall = kvi_wall_now();
+    h.nt = (uint32_t)nt;
+    h.engine_n = (uint32_t)en;
+    h.model_n = (uint32_t)mn;
+    h.outcome_n = (uint32_t)on;
+    h.payload_n = pn;
+    h.stripped = (uint8_t)stripped;
+    unsigned char *p = run->buf + run->len;
+    memcpy(p, &h, sizeof h);
+    p += sizeof h;
+    memcpy(p, self->times + base, nt * 8);
+    p += nt * 8;
+    memcpy(p, engine, (size_t)en);
+    p += en;
+    memcpy(p, model, (size_t)mn);
+    p += mn;
+    memcpy(p, out, (size_t)on);
+    p += on;
+    const unsigned char *src = (const unsigned char *)PyBytes_AS_STRING(a[1]);
+    if (!stripped)
+        memcpy(p, src, pn);
+    else {
+        size_t from = 0;
+        for (uint32_t i = 0; i < ks->nstores; i++) {
+            const SinkStore *ss = &ks->stores[i];
+            size_t kb = (size_t)ss->nblocks * 8;
+            memcpy(p, src + from, ss->tok_at - from);
+            p += ss->tok_at - from;
+            if (kb < 256) { /* bin 8, 16 or 32: recframe.c's w_bin_head */
+                *p++ = 0xc4;
+                *p++ = (unsigned char)kb;
+            }
+            else if (kb < 65536) {
+                *p++ = 0xc5;
+                *p++ = (unsigned char)(kb >> 8);
+                *p++ = (unsigned char)kb;
+            }
+            else {
+                *p++ = 0xc6;
+                for (int b = 3; b >= 0; b--)
+                    *p++ = (unsigned char)(kb >> (8 * b));
+            }
+            for (uint32_t k = 0; k < ss->nblocks; k++, p += 8)
+                put_le64(p, ks->keys[ss->keys_at + k]);
+            from = ss->tok_end;
+        }
+        memcpy(p, src + from, (size_t)PyBytes_GET_SIZE(a[1]) - from);
+    }
+    run->len += need;
+    self->run_bytes += (Py_ssize_t)need;
+    run->count++;
+    self->in_runs++;
+    return 1;
+}
+
+KVI_HIDDEN int
+kvi_journal_stock(JournalCore *self, Py_ssize_t bytes)
+{
+    Py_ssize_t n = (bytes + RUN_BYTES - 1) / RUN_BYTES;
+    self->keep = n < 4 ? 4 : n > SPARE_MAX ? SPARE_MAX : (int)n;
+    while (self->nspare < self->keep) {
+        unsigned char *buf = malloc(RUN_BYTES);
+        if (buf == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        /* Each page faulted in now. Not with 0: malloc and a zeroing memset may become
+         * calloc, which touches nothing. */
+        memset(buf, 0xA5, RUN_BYTES);
+        self->spare[self->nspare++] = buf;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ the type */
 
 static int
 ar_traverse(ApplyRun *self, visitproc visit, void *arg)

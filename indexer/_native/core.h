@@ -14,8 +14,9 @@
  *   tree.c      the GPU loops over a tree: insert_gpu, insert_gpu_raw, walk, remove_gpu
  *   keys.c      block_keys (xxh3-64 of each block of tokens) and that hash
  *   events.c    vLLM's msgpack events: tokens_from_msgpack, scan_gpu_batch (reader.h reads msgpack)
- *   journal.c   JournalCore: a recording's journal on the hot paths (run, run_apply, clock)
- *   applyrun.c  ApplyRun: the applies a journal laid out in one buffer, no object each
+ *   journal.c   JournalCore: a recording's journal on the hot paths (run, run_apply, clock;
+ *               journal.h: its struct)
+ *   applyrun.c  ApplyRun: the applies a journal lays out in one buffer, no object each
  *   recframe.c  a recording's frames, built without the GIL: frame_run, frame_many
  *   snapshot.c  a snapshot's columns: NodeIndex, dump_*, node_index, translate, load_*
  *   answers.c   the ranked answers of a GPU-only match

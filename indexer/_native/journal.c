@@ -12,46 +12,11 @@
  * they are containers). A batch applied is not even that: run_apply copies it into the
  * open ApplyRun (applyrun.c says why), which goes on the queue whole, in order: before
  * any other record is queued, and when it is full. */
-#include "core.h"
+#include "journal.h"
 
 #include <time.h>
 
-/* Buffers for runs, kept: a new 1 MiB buffer is the C allocator's fresh mmap, whose
- * ~256 pages each fault on first touch (2-4 us each on this VM, and charged to the
- * memory cgroup) on the thread that applies batches: ~5,000 faults for 10^6 blocks, ~4%
- * of a burst's ingest. stock() makes and touches them once (as many as wake_bytes
- * holds, when the recording starts), and a run written hands its buffer back. */
-#define SPARE_MAX 256
-
-typedef struct {
-    PyObject_HEAD
-    PyObject *records; /* a collections.deque of records, taken by the writer thread */
-    PyObject *append;  /* records.append */
-    PyObject *raw;     /* the index's own clock */
-    PyObject *values;  /* a frozenset of types whose instances a record may untrack (untrack_graph), or NULL */
-    PyObject *wake;    /* called with no argument every wake_every records queued (the writer's event), or NULL */
-    Py_ssize_t wake_every, since_wake;
-    Py_ssize_t wake_bytes; /* and when the runs not written yet hold this many bytes */
-    Py_ssize_t run_bytes;  /* what the runs not released yet hold */
-    Py_ssize_t max_pending;
-    char active, overflowed;
-    double *times; /* the clock readings of the calls running (nested ones after the outer's) */
-    Py_ssize_t nt, tcap;
-    ApplyRun *open;       /* the run run_apply lays applies in, not queued yet, or NULL */
-    unsigned char *spare[SPARE_MAX]; /* buffers (RUN_BYTES each) for the next runs */
-    int nspare, keep;                 /* how many are there, and kept at most */
-    Py_ssize_t in_runs;   /* applies in runs not released yet (open or queued) */
-    Py_ssize_t sealed;    /* runs queued and not released yet */
-    char strip;           /* lay plain GPU stores with their keys for token ids (hashed mode) */
-    unsigned long long seed; /* the keys' seed (wire/keys.py's KEY_SEED) */
-} JournalCore;
-
 KVI_HIDDEN KeySink kvi_sink;
-
-
-/* A run's buffer: a run is queued when the next apply does not fit (or one bigger than
- * this has a run of its own). At ~4 KB a batch, wake_every (1024) applies fill ~4 MB. */
-#define RUN_BYTES (1u << 20)
 
 static int
 jc_init(JournalCore *self, PyObject *args, PyObject *kwds)
@@ -80,7 +45,7 @@ jc_init(JournalCore *self, PyObject *args, PyObject *kwds)
     self->max_pending = max_pending;
     self->wake_every = 1024;
     self->since_wake = 0;
-    self->wake_bytes = 32 << 20;
+    self->wake_bytes = 16 << 20;
     self->keep = 4;
     self->active = self->overflowed = 0;
     self->nt = 0;
@@ -147,8 +112,8 @@ jc_clock(JournalCore *self, PyObject *Py_UNUSED(ignored))
     return t;
 }
 
-static double
-wall_now(void)
+KVI_HIDDEN double
+kvi_wall_now(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts); /* time.time() */
@@ -226,8 +191,8 @@ untrack_values(JournalCore *self, PyObject *o)
 }
 
 /* The open run queued (before any other record, in order): 0, or -1 with an error set. */
-static int
-seal(JournalCore *self)
+KVI_HIDDEN int
+kvi_seal(JournalCore *self)
 {
     if (self->open == NULL || self->open->count == 0)
         return 0;
@@ -241,20 +206,6 @@ seal(JournalCore *self)
         return -1;
     Py_DECREF(res);
     return 0;
-}
-
-KVI_HIDDEN void
-kvi_journal_release(PyObject *journal, Py_ssize_t count, size_t len, unsigned char *buf, size_t cap)
-{
-    JournalCore *self = (JournalCore *)journal;
-    self->in_runs -= count;
-    self->run_bytes -= (Py_ssize_t)len;
-    if (self->open == NULL || self->open->buf != buf) /* a run queued (the open one is dropped unqueued only with the journal) */
-        self->sealed--;
-    if (buf != NULL && self->nspare < self->keep && cap == RUN_BYTES)
-        self->spare[self->nspare++] = buf;
-    else
-        free(buf);
 }
 
 /* Records queued and not written: the queue's, a run counted as its applies (one taken
@@ -299,10 +250,12 @@ counted(JournalCore *self, int run)
 {
     if (self->wake == NULL || self->wake == Py_None)
         return 0;
-    if (run ? self->run_bytes < self->wake_bytes : ++self->since_wake < self->wake_every)
+    if (run ? self->run_bytes < (self->wake_at ? self->wake_at : self->wake_bytes)
+            : ++self->since_wake < self->wake_every)
         return 0;
     self->since_wake = 0;
-    if (seal(self) < 0)
+    self->wake_at = self->run_bytes + self->wake_bytes; /* not again until another wake_bytes is laid */
+    if (kvi_seal(self) < 0)
         return -1;
     PyObject *res = PyObject_CallNoArgs(self->wake);
     if (res == NULL)
@@ -334,7 +287,7 @@ queue_call(JournalCore *self, PyObject *op, PyObject *cargs, PyObject *r, Py_ssi
     }
     self->nt = base;
     PyObject_GC_UnTrack(times);
-    double wall = wall_now();
+    double wall = kvi_wall_now();
     if (r == NULL) { /* the call raised: the Python half queues it (as a Raised), then it propagates */
         PyObject *et, *ev, *tb;
         PyErr_Fetch(&et, &ev, &tb);
@@ -379,7 +332,7 @@ queue_call(JournalCore *self, PyObject *op, PyObject *cargs, PyObject *r, Py_ssi
     PyTuple_SET_ITEM(rec, 2, cargs);
     PyTuple_SET_ITEM(rec, 3, r);
     PyTuple_SET_ITEM(rec, 4, times);
-    if (seal(self) < 0) {
+    if (kvi_seal(self) < 0) {
         Py_DECREF(rec);
         Py_DECREF(r);
         return NULL;
@@ -413,166 +366,6 @@ jc_run(JournalCore *self, PyObject *const *args, Py_ssize_t nargs)
     return queue_call(self, args[0], args[2], r, base);
 }
 
-/* The open run, with room for ``need`` more bytes (the one before queued if it has
- * not), or NULL with an error set. */
-static ApplyRun *
-open_run(JournalCore *self, size_t need)
-{
-    ApplyRun *run = self->open;
-    if (run != NULL && run->len + need > run->cap && seal(self) < 0)
-        return NULL;
-    run = self->open;
-    if (run == NULL) {
-        run = PyObject_GC_New(ApplyRun, &kvi_ApplyRunType);
-        if (run == NULL)
-            return NULL;
-        size_t cap = need > RUN_BYTES ? need : RUN_BYTES;
-        unsigned char *buf = cap == RUN_BYTES && self->nspare > 0 ? self->spare[--self->nspare] : malloc(cap);
-        if (buf == NULL) {
-            PyObject_GC_Del(run);
-            PyErr_NoMemory();
-            return NULL;
-        }
-        Py_INCREF(self);
-        run->journal = (PyObject *)self;
-        run->buf = buf;
-        run->cap = cap;
-        run->len = 0;
-        run->count = run->at_i = 0;
-        run->at_off = 0;
-        PyObject_GC_Track(run);
-        self->open = run;
-    }
-    return run;
-}
-
-/* An int that fits int64, or None: 1 (``*has`` says which); 0 anything else. */
-static int
-opt_i64(PyObject *o, int64_t *v, uint8_t *has)
-{
-    *has = o != Py_None;
-    if (!*has)
-        return 1;
-    if (!PyLong_CheckExact(o))
-        return 0;
-    int of;
-    *v = PyLong_AsLongLongAndOverflow(o, &of);
-    if (*v == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return 0;
-    }
-    return !of;
-}
-
-static size_t
-pad8(size_t n)
-{
-    return (n + 7) & ~(size_t)7;
-}
-
-/* The apply whose arguments are ``a`` (engine, payload, model, dp_rank, seq, decide) and
- * result ``r`` laid in the open run (``sink``: this call opened the key sink, stripped
- * when it holds every store's keys): 1; 0 not of the shape a run holds (the caller
- * queues it as a tuple); -1 out of memory. */
-static int
-lay_apply(JournalCore *self, long op, PyObject *const *a, PyObject *r, Py_ssize_t base, int sink)
-{
-    if (!PyUnicode_CheckExact(a[0]) || !PyBytes_CheckExact(a[1]) || !PyUnicode_CheckExact(a[2]) ||
-        !PyBool_Check(a[5]) || !PyTuple_CheckExact(r) || PyTuple_GET_SIZE(r) != 2)
-        return 0;
-    PyObject *outcome = PyTuple_GET_ITEM(r, 0), *ts = PyTuple_GET_ITEM(r, 1);
-    if (!PyUnicode_CheckExact(outcome) || !(ts == Py_None || PyFloat_CheckExact(ts)))
-        return 0;
-    ARec h;
-    memset(&h, 0, sizeof h);
-    if (!opt_i64(a[3], &h.dp_rank, &h.has_rank) || !opt_i64(a[4], &h.seq, &h.has_seq))
-        return 0;
-    Py_ssize_t en, mn, on;
-    const char *engine = PyUnicode_AsUTF8AndSize(a[0], &en), *model = PyUnicode_AsUTF8AndSize(a[2], &mn),
-               *out = PyUnicode_AsUTF8AndSize(outcome, &on);
-    if (engine == NULL || model == NULL || out == NULL) {
-        PyErr_Clear(); /* a lone surrogate: the tuple's encoder says what it says */
-        return 0;
-    }
-    size_t pn = (size_t)PyBytes_GET_SIZE(a[1]), nt = (size_t)(self->nt - base);
-    /* Stripped (the key sink, core.h): each store's token_ids value (a msgpack array)
-     * becomes a bin of its keys, 8 bytes a block, as recprivacy.strip_payload makes it. */
-    KeySink *ks = &kvi_sink;
-    int stripped = sink && ks->scanned == 1 && ks->nstores > 0;
-    for (uint32_t i = 0; stripped && i < ks->nstores; i++)
-        stripped = ks->stores[i].keyed;
-    if (stripped) {
-        for (uint32_t i = 0; i < ks->nstores; i++) {
-            size_t kb = (size_t)ks->stores[i].nblocks * 8;
-            pn = pn - (ks->stores[i].tok_end - ks->stores[i].tok_at) + kb + (kb < 256 ? 2 : kb < 65536 ? 3 : 5);
-        }
-    }
-    size_t need = pad8(sizeof(ARec) + nt * 8 + (size_t)en + (size_t)mn + (size_t)on + pn);
-    if (need > UINT32_MAX)
-        return 0;
-    ApplyRun *run = open_run(self, need);
-    if (run == NULL)
-        return -1;
-    h.size = (uint32_t)need;
-    h.op = (uint8_t)op;
-    h.decide = a[5] == Py_True;
-    h.has_ts = ts != Py_None;
-    h.ts = h.has_ts ? PyFloat_AS_DOUBLE(ts) : 0.0;
-    h.wall = wall_now();
-    h.nt = (uint32_t)nt;
-    h.engine_n = (uint32_t)en;
-    h.model_n = (uint32_t)mn;
-    h.outcome_n = (uint32_t)on;
-    h.payload_n = pn;
-    h.stripped = (uint8_t)stripped;
-    unsigned char *p = run->buf + run->len;
-    memcpy(p, &h, sizeof h);
-    p += sizeof h;
-    memcpy(p, self->times + base, nt * 8);
-    p += nt * 8;
-    memcpy(p, engine, (size_t)en);
-    p += en;
-    memcpy(p, model, (size_t)mn);
-    p += mn;
-    memcpy(p, out, (size_t)on);
-    p += on;
-    const unsigned char *src = (const unsigned char *)PyBytes_AS_STRING(a[1]);
-    if (!stripped)
-        memcpy(p, src, pn);
-    else {
-        size_t from = 0;
-        for (uint32_t i = 0; i < ks->nstores; i++) {
-            const SinkStore *ss = &ks->stores[i];
-            size_t kb = (size_t)ss->nblocks * 8;
-            memcpy(p, src + from, ss->tok_at - from);
-            p += ss->tok_at - from;
-            if (kb < 256) { /* bin 8, 16 or 32: recframe.c's w_bin_head */
-                *p++ = 0xc4;
-                *p++ = (unsigned char)kb;
-            }
-            else if (kb < 65536) {
-                *p++ = 0xc5;
-                *p++ = (unsigned char)(kb >> 8);
-                *p++ = (unsigned char)kb;
-            }
-            else {
-                *p++ = 0xc6;
-                for (int b = 3; b >= 0; b--)
-                    *p++ = (unsigned char)(kb >> (8 * b));
-            }
-            for (uint32_t k = 0; k < ss->nblocks; k++, p += 8)
-                put_le64(p, ks->keys[ss->keys_at + k]);
-            from = ss->tok_end;
-        }
-        memcpy(p, src + from, (size_t)PyBytes_GET_SIZE(a[1]) - from);
-    }
-    run->len += need;
-    self->run_bytes += (Py_ssize_t)need;
-    run->count++;
-    self->in_runs++;
-    return 1;
-}
-
 static PyObject *
 jc_run_apply(JournalCore *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -599,7 +392,7 @@ jc_run_apply(JournalCore *self, PyObject *const *args, Py_ssize_t nargs)
         ks->owner = NULL; /* what it noted is read by lay_apply next, the GIL held all along */
     if (r != NULL && (op == 1 || op == 2)) { /* the journal's APPLY and APPLY_SEQUENCED */
         int room_ = has_room(self);
-        int laid = room_ > 0 ? lay_apply(self, op, args + 2, r, base, sink) : room_;
+        int laid = room_ > 0 ? kvi_lay_apply(self, op, args + 2, r, base, sink) : room_;
         if (laid != 0) {
             self->nt = base;
             if (laid < 0 || counted(self, 1) < 0) {
@@ -630,26 +423,15 @@ static PyObject *
 jc_stock(JournalCore *self, PyObject *arg)
 {
     Py_ssize_t bytes = PyLong_AsSsize_t(arg);
-    if (bytes == -1 && PyErr_Occurred())
+    if ((bytes == -1 && PyErr_Occurred()) || kvi_journal_stock(self, bytes) < 0)
         return NULL;
-    Py_ssize_t n = (bytes + RUN_BYTES - 1) / RUN_BYTES;
-    self->keep = n < 4 ? 4 : n > SPARE_MAX ? SPARE_MAX : (int)n;
-    while (self->nspare < self->keep) {
-        unsigned char *buf = malloc(RUN_BYTES);
-        if (buf == NULL)
-            return PyErr_NoMemory();
-        /* Each page faulted in now. Not with 0: malloc and a zeroing memset may become
-         * calloc, which touches nothing. */
-        memset(buf, 0xA5, RUN_BYTES);
-        self->spare[self->nspare++] = buf;
-    }
     Py_RETURN_NONE;
 }
 
 static PyObject *
 jc_seal(JournalCore *self, PyObject *Py_UNUSED(ignored))
 {
-    if (seal(self) < 0)
+    if (kvi_seal(self) < 0)
         return NULL;
     Py_RETURN_NONE;
 }

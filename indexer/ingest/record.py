@@ -53,6 +53,12 @@ _CHUNK = 512
 # What the writer holds before a write: each write lets go of the GIL and takes it back,
 # which costs the threads on the hot paths a switch; one a drain is enough.
 _WRITE_BYTES = 8 << 20
+# The calls are calm while the writer writes less than this a second (a running mean over
+# its drains; ~200 k blocks/s): a segment full or old is closed then, not in the middle of
+# a burst. Its next base is the whole index dumped under its lock (~1 s of CPU at 4·10^6
+# entries): dumped while a burst was applied, it cost that burst's ingest ~25%
+# (bench_record.py --service --entries 4000000).
+_CALM_RATE = 4 << 20
 # Records encoded here between two hand-overs of the GIL. A query's record is ~3-7 us of
 # Python; a request that needs the GIL meanwhile waits for the switch interval (0.2 ms in
 # the service) unless the writer lets go: encoded 1,024 at a time without, the service's
@@ -73,6 +79,47 @@ _VALUES = frozenset({KeySource, _LazyKeys})
 _frame_run: Any = _core.frame_run if _core is not None else None
 _Run: Any = _core.ApplyRun if _core is not None else None
 _frames: Any = _core.frame_many if _core is not None else _frames_py
+
+
+class _Pace:
+    """When the writer writes and when it begins a segment: the policy, apart from the
+    writing (:class:`Recorder`)."""
+
+    def __init__(self, defer_s: float) -> None:
+        self.defer_s = defer_s
+        self.held: float | None = None  # when the backlog a timer's wake left began
+        self.drained_at = time.monotonic()
+        self.rate = 0.0  # bytes written a second, a running mean over the drains
+        self.seg_start = time.monotonic()
+
+    def defer(self, j: Journal | None) -> bool:
+        """Whether a timer's wake leaves what is queued for later (``defer_s``): a burst
+        is written when it is over, not while it competes with the ingest for the GIL and
+        the cores (written as it came, ~6% of a saturated ingest on this 2-core VM)."""
+        if j is None or self.defer_s <= 0:
+            return False
+        if not j.records and j.run_bytes == 0:  # nothing queued: the wait starts with a backlog
+            self.held = None
+            return True
+        now = time.monotonic()
+        if self.held is None:
+            self.held = now
+        return now - self.held < self.defer_s
+
+    def drained(self, wrote: int) -> bool:
+        """A drain wrote ``wrote`` bytes: whether the calls are calm now (_CALM_RATE)."""
+        now = time.monotonic()
+        self.held = None
+        self.rate = (self.rate + wrote / max(now - self.drained_at, 1e-3)) / 2
+        self.drained_at = now
+        return self.rate < _CALM_RATE
+
+    def due(self, calm: bool, seg_bytes: int, limit: int, segment_s: float) -> bool:
+        """Whether to begin a new segment: this one past ``limit`` bytes or ``segment_s``
+        old once the calls are ``calm``, or anyway at 4 times the size or twice the age."""
+        age = time.monotonic() - self.seg_start
+        return ((calm and (seg_bytes >= limit or age >= segment_s))
+                or seg_bytes >= 4 * limit or age >= 2 * segment_s)
 
 
 class Recorder:
@@ -109,7 +156,7 @@ class Recorder:
     def __init__(self, directory: str, *, max_bytes: int = 1 << 30, max_age_s: float = 0.0,
                  segment_bytes: int = 64 << 20, segment_s: float = 600.0, tokens: str = "hashed",
                  flush_s: float = 0.2, max_pending: int = 1_000_000, wake_every: int = 1024,
-                 wake_bytes: int = 32 << 20, defer_s: float = 1.0) -> None:
+                 wake_bytes: int = 16 << 20, defer_s: float = 1.0) -> None:
         if tokens not in MODES:
             raise ValueError(f"tokens must be one of {', '.join(MODES)}, not {tokens!r}")
         if segment_bytes < 4096 or max_bytes < segment_bytes:
@@ -123,14 +170,12 @@ class Recorder:
         self.flush_s = float(flush_s)
         self.wake_every = max(1, int(wake_every))
         self.wake_bytes = max(1, int(wake_bytes))
-        self.defer_s = float(defer_s)
-        self._held: float | None = None  # when a deferred backlog of batches began
+        self._pace = _Pace(float(defer_s))
         self.journal: Journal | None = None
         self.index: PrefixIndex | None = None
         self._max_pending = int(max_pending)
         self._file: IO[bytes] | None = None
         self._seg_n = -1
-        self._seg_start = 0.0
         self._seg_bytes = 0
         self._base_bytes = 0
         self._thread: threading.Thread | None = None
@@ -169,7 +214,7 @@ class Recorder:
             # apply made in place of its token ids (core.h's key sink), not the writer.
             j.strip = self.tokens == "hashed"
             j.seed = KEY_SEED
-            j.stock(self.wake_bytes)  # the runs' buffers, touched now (journal.c)
+            j.stock(2 * self.wake_bytes)  # the runs' buffers, touched now: a drain's worth of room (journal.c)
             self.journal = j
             self.index = index
             index._rec = j
@@ -256,28 +301,16 @@ class Recorder:
         while not self._halt:
             woken = self._wake.wait(self.flush_s)
             self._wake.clear()
-            if not woken and self._defer():
+            pace = self._pace
+            if not woken and pace.defer(self.journal):
                 continue
-            self._held = None
+            before = self.bytes_written
             self._drain()
-            if self._file is not None and self.stopped is None:
-                self._maybe_rotate()
+            calm = pace.drained(self.bytes_written - before)
+            if self._file is not None and self.stopped is None and pace.due(
+                    calm, self._seg_bytes, max(self.segment_bytes, self._base_bytes), self.segment_s):
+                self.rotate()
         self._drain()
-
-    def _defer(self) -> bool:
-        """Whether a timer's wake leaves what is queued for later (``defer_s``): a burst
-        is written when it is over, not while it competes with the ingest for the GIL and
-        the cores (written as it came, ~6% of a saturated ingest on this 2-core VM)."""
-        j = self.journal
-        if j is None or self.defer_s <= 0:
-            return False
-        if not j.records and j.run_bytes == 0:  # nothing queued: the wait starts with a backlog
-            self._held = None
-            return True
-        now = time.monotonic()
-        if self._held is None:
-            self._held = now
-        return now - self._held < self.defer_s
 
     def _drain(self) -> None:
         j = self.journal
@@ -389,7 +422,7 @@ class Recorder:
         # the writes made here, so nothing may wait in a Python buffer.
         f = open(path, "wb", buffering=0)  # noqa: SIM115  # kept open across writes; closed by _close_file
         self._file = f
-        self._seg_start = time.monotonic()
+        self._pace.seg_start = time.monotonic()
         self._seg_bytes = 0  # what follows the base (the base is counted in bytes_written only)
         self.segments_started += 1
         self._want_base = False
@@ -399,11 +432,6 @@ class Recorder:
         _write_all(f, data)
         self.bytes_written += len(data)
         self._enforce_caps()
-
-    def _maybe_rotate(self) -> None:
-        full = self._seg_bytes >= max(self.segment_bytes, self._base_bytes)
-        if full or time.monotonic() - self._seg_start >= self.segment_s:
-            self.rotate()
 
     def rotate(self) -> None:
         """Begin a new segment (with a base of the state now) at the next write."""

@@ -177,6 +177,31 @@ def test_a_run_is_queued_before_any_other_record(tmp_path):
     rec.stop()
 
 
+def test_the_writer_is_woken_once_a_wake_bytes_of_applies(tmp_path):
+    """Past wake_bytes of applies not written, the journal wakes the writer once and
+    again only after another wake_bytes (not at every apply while the writer has not
+    released them yet: each wake queues the open run, and runs of one batch each were
+    fresh buffers faulted in on the ingest's thread)."""
+    idx = PrefixIndex(clock=FakeClock())
+    rec = Recorder(str(tmp_path))
+    rec.attach(idx)
+    j = rec.journal
+    wakes = []
+    j.wake = lambda: wakes.append(j.run_bytes)
+    j.wake_bytes = 4096
+    for s in range(400):
+        idx.apply_sequenced("e0", encode_batch([store(toks(1000 * s, 4, BS), BS, 0, 4)]), seq=s)
+    laid = j.run_bytes
+    assert laid > 20 * 4096
+    assert all(b - a >= 4096 for a, b in zip(wakes, wakes[1:]))  # one each 4 KiB laid
+    assert laid // (4096 + 512) <= len(wakes) <= laid // 4096  # a record (~340 B) past each
+    j.seal()
+    runs = [r for r in j.records if not isinstance(r, tuple)]
+    assert sum(map(len, runs)) == 400 and len(runs) <= len(wakes) + 1
+    assert min(len(r) for r in runs[:-1]) > 10  # no run of one batch
+    rec.stop()
+
+
 def test_a_full_disk_is_an_oserror(tmp_path):
     _, (run,) = _journal(tmp_path, _shapes(random.Random(2))[:3])
     with open("/dev/full", "wb", buffering=0) as f, pytest.raises(OSError) as e:

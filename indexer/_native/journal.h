@@ -1,0 +1,54 @@
+/* journal.h: JournalCore, the hot half of a recording's journal, as journal.c (its type,
+ * run, clock, the queue) and applyrun.c (the runs batches are laid in) share it. */
+#ifndef KVI_JOURNAL_H
+#define KVI_JOURNAL_H
+
+#include "core.h"
+
+/* Buffers for runs, kept: a new run's buffer is the C allocator's fresh mmap, whose
+ * pages each fault on first touch (2-4 us each on this VM, and charged to the
+ * memory cgroup) on the thread that applies batches: ~5,000 faults for 10^6 blocks, ~4%
+ * of a burst's ingest. stock() makes and touches them once (as many as wake_bytes
+ * holds, when the recording starts), and a run written hands its buffer back. */
+#define SPARE_MAX 256
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *records; /* a collections.deque of records, taken by the writer thread */
+    PyObject *append;  /* records.append */
+    PyObject *raw;     /* the index's own clock */
+    PyObject *values;  /* a frozenset of types whose instances a record may untrack (untrack_graph), or NULL */
+    PyObject *wake;    /* called with no argument every wake_every records queued (the writer's event), or NULL */
+    Py_ssize_t wake_every, since_wake;
+    Py_ssize_t wake_bytes; /* and when the runs not written yet hold this many bytes */
+    Py_ssize_t run_bytes;  /* what the runs not released yet hold */
+    Py_ssize_t wake_at;    /* run_bytes at which the writer is woken next (once a wake_bytes' worth) */
+    Py_ssize_t max_pending;
+    char active, overflowed;
+    double *times; /* the clock readings of the calls running (nested ones after the outer's) */
+    Py_ssize_t nt, tcap;
+    ApplyRun *open;       /* the run run_apply lays applies in, not queued yet, or NULL */
+    unsigned char *spare[SPARE_MAX]; /* buffers (RUN_BYTES each) for the next runs */
+    int nspare, keep;                 /* how many are there, and kept at most */
+    Py_ssize_t in_runs;   /* applies in runs not released yet (open or queued) */
+    Py_ssize_t sealed;    /* runs queued and not released yet */
+    char strip;           /* lay plain GPU stores with their keys for token ids (hashed mode) */
+    unsigned long long seed; /* the keys' seed (wire/keys.py's KEY_SEED) */
+} JournalCore;
+
+/* A run's buffer: a run is queued when the next apply does not fit (or one bigger than
+ * this has a run of its own): ~2,000 stripped batches of 64 blocks. Fewer, larger runs
+ * are fewer GIL hand-overs for the writer, which takes the GIL once a run. */
+#define RUN_BYTES (4u << 20)
+
+/* The open run queued (journal.c): 0, or -1 with an error set. */
+KVI_HIDDEN int kvi_seal(JournalCore *self);
+/* time.time() (journal.c). */
+KVI_HIDDEN double kvi_wall_now(void);
+/* The apply whose arguments are ``a`` and result ``r`` laid in the open run (applyrun.c):
+ * 1; 0 not of the shape a run holds; -1 out of memory. */
+KVI_HIDDEN int kvi_lay_apply(JournalCore *self, long op, PyObject *const *a, PyObject *r, Py_ssize_t base, int sink);
+/* Buffers kept for runs holding ``bytes`` (applyrun.c): 0, or -1 out of memory. */
+KVI_HIDDEN int kvi_journal_stock(JournalCore *self, Py_ssize_t bytes);
+
+#endif
