@@ -45,7 +45,7 @@ jc_init(JournalCore *self, PyObject *args, PyObject *kwds)
     self->max_pending = max_pending;
     self->wake_every = 1024;
     self->since_wake = 0;
-    self->wake_bytes = 16 << 20;
+    self->wake_bytes = 32 << 20;
     self->keep = 4;
     self->active = self->overflowed = 0;
     self->nt = 0;

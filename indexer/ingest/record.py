@@ -156,7 +156,7 @@ class Recorder:
     def __init__(self, directory: str, *, max_bytes: int = 1 << 30, max_age_s: float = 0.0,
                  segment_bytes: int = 64 << 20, segment_s: float = 600.0, tokens: str = "hashed",
                  flush_s: float = 0.2, max_pending: int = 1_000_000, wake_every: int = 1024,
-                 wake_bytes: int = 16 << 20, defer_s: float = 1.0) -> None:
+                 wake_bytes: int = 32 << 20, defer_s: float = 1.0) -> None:
         if tokens not in MODES:
             raise ValueError(f"tokens must be one of {', '.join(MODES)}, not {tokens!r}")
         if segment_bytes < 4096 or max_bytes < segment_bytes:
@@ -214,7 +214,7 @@ class Recorder:
             # apply made in place of its token ids (core.h's key sink), not the writer.
             j.strip = self.tokens == "hashed"
             j.seed = KEY_SEED
-            j.stock(2 * self.wake_bytes)  # the runs' buffers, touched now: a drain's worth of room (journal.c)
+            j.stock(self.wake_bytes + (16 << 20))  # the runs' buffers, touched now, and room while a drain runs
             self.journal = j
             self.index = index
             index._rec = j
