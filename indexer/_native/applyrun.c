@@ -213,8 +213,10 @@ kvi_lay_apply(JournalCore *self, long op, PyObject *const *a, PyObject *r, Py_ss
 KVI_HIDDEN int
 kvi_journal_stock(JournalCore *self, Py_ssize_t bytes)
 {
-    Py_ssize_t n = (bytes + RUN_BYTES - 1) / RUN_BYTES;
-    self->keep = n < 4 ? 4 : n > SPARE_MAX ? SPARE_MAX : (int)n;
+    Py_ssize_t n = bytes <= 0 ? 0 : (bytes + RUN_BYTES - 1) / RUN_BYTES;
+    self->keep = n > SPARE_MAX ? SPARE_MAX : (int)n;
+    while (self->nspare > self->keep) /* 0: the recording ended, its buffers go */
+        free(self->spare[--self->nspare]);
     while (self->nspare < self->keep) {
         unsigned char *buf = malloc(RUN_BYTES);
         if (buf == NULL) {

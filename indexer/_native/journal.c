@@ -455,7 +455,7 @@ static PyMethodDef jc_methods[] = {
      "run_apply(op, fn, engine, payload, model, dp_rank, seq, decide) -> fn(engine, ..., decide), laid in the open run."},
     {"seal", (PyCFunction)jc_seal, METH_NOARGS, "Queue the open run (what was applied so far), if any."},
     {"stock", (PyCFunction)jc_stock, METH_O,
-     "stock(bytes): keep buffers for runs holding that many bytes (at least 4), made and touched now."},
+     "stock(bytes): keep buffers for runs holding that many bytes, made and touched now (0: none, freed)."},
     {"clock", (PyCFunction)jc_clock, METH_NOARGS, "The index's clock while recording: a reading inside a run is noted."},
     {NULL, NULL, 0, NULL},
 };

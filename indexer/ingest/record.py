@@ -147,7 +147,7 @@ class Recorder:
         journal's runs) hold this many bytes (32 MiB: ~10^6 blocks).
     defer_s:
         A timer's wake leaves what is queued this long: a burst is written when it is
-        over, not while it competes with the ingest (:meth:`_defer`). 0: written at every
+        over, not while it competes with the ingest (:meth:`_Pace.defer`). 0: written at every
         wake. What is not written yet is lost if the process dies.
     max_pending:
         Records queued at most while the writer is behind; beyond, the recording stops.
@@ -279,6 +279,8 @@ class Recorder:
         else:
             self._drain()
         self._close_file()
+        if self.journal is not None:
+            self.journal.stock(0)  # the runs' buffers go back
         if self.stopped is None:
             self.stopped = "stopped"
 
@@ -480,6 +482,7 @@ class Recorder:
         self.detach()
         j = self.journal
         if j is not None:
+            j.stock(0)  # the runs' buffers go back
             q = j.records
             while q:  # what is queued is not written; a flush waiting on it is told so
                 item = q.popleft()
