@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -33,14 +34,28 @@ from pathlib import Path
 from typing import Any
 
 
-
-
 def free_port() -> int:
-    """A port free now (bound to 0 and released): for the engine's fixed ports only, which
-    its restarts must find again. Anything that can bind port 0 itself should."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now, for the engine's fixed ports only (its restarts must find them
+    again; anything that can bind port 0 itself should). Taken below the kernel's
+    ephemeral range: a port bound to 0 and released comes from that range, where any
+    process's next connect or bind to 0 may take it before the engine binds it (two
+    engines booting together failed with "Address already in use" on their PUB port).
+    Checked free on every interface, as the PUB binds ``tcp://*:PORT``."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default range starts here
+    for _ in range(1000):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port below the ephemeral range ({low})")
+
 
 class VllmEngine:
     """One engine: fixed ports chosen at construction (a restart binds the same ones)."""
