@@ -141,7 +141,7 @@ kvi_lay_apply(JournalCore *self, long op, PyObject *const *a, PyObject *r, Py_ss
     if (stripped) {
         for (uint32_t i = 0; i < ks->nstores; i++) {
             size_t kb = (size_t)ks->stores[i].nblocks * 8;
-            pn = pn - (ks->stores[i].tok_end - ks->stores[i].tok_at) + kb + (kb < 256 ? 2 : kb < 65536 ? 3 : 5);
+            pn = pn - (ks->stores[i].tok_end - ks->stores[i].tok_at) + put_bin_head(NULL, kb) + kb;
         }
     }
     size_t need = pad8(sizeof(ARec) + nt * 8 + (size_t)en + (size_t)mn + (size_t)on + pn);
@@ -183,20 +183,7 @@ kvi_lay_apply(JournalCore *self, long op, PyObject *const *a, PyObject *r, Py_ss
             size_t kb = (size_t)ss->nblocks * 8;
             memcpy(p, src + from, ss->tok_at - from);
             p += ss->tok_at - from;
-            if (kb < 256) { /* bin 8, 16 or 32: recframe.c's w_bin_head */
-                *p++ = 0xc4;
-                *p++ = (unsigned char)kb;
-            }
-            else if (kb < 65536) {
-                *p++ = 0xc5;
-                *p++ = (unsigned char)(kb >> 8);
-                *p++ = (unsigned char)kb;
-            }
-            else {
-                *p++ = 0xc6;
-                for (int b = 3; b >= 0; b--)
-                    *p++ = (unsigned char)(kb >> (8 * b));
-            }
+            p += put_bin_head(p, kb);
             for (uint32_t k = 0; k < ss->nblocks; k++, p += 8)
                 put_le64(p, ks->keys[ss->keys_at + k]);
             from = ss->tok_end;

@@ -126,6 +126,15 @@ typedef struct {
 
 extern KVI_HIDDEN KeySink kvi_sink; /* journal.c */
 
+/* The sink noting nothing yet: a new batch (scan_gpu_batch), or a new apply (run_apply). */
+static inline void
+sink_reset(KeySink *ks)
+{
+    ks->scanned = 0;
+    ks->nstores = 0;
+    ks->nkeys = 0;
+}
+
 /* The sink if it is open for this thread, else NULL. */
 static inline KeySink *
 sink_here(void)
@@ -194,6 +203,20 @@ put_le64(unsigned char *o, uint64_t v)
     for (int i = 0; i < 8; i++)
         o[i] = (unsigned char)(v >> (8 * i));
 #endif
+}
+
+/* A msgpack bin header for ``n`` bytes at ``o``: bin 8, 16 or 32, the smallest (as
+ * msgspec writes it); its length (2, 3 or 5), and with ``o`` NULL only that. */
+static inline size_t
+put_bin_head(unsigned char *o, size_t n)
+{
+    size_t w = n < 256 ? 1 : n < 65536 ? 2 : 4;
+    if (o != NULL) {
+        o[0] = w == 1 ? 0xc4 : w == 2 ? 0xc5 : 0xc6;
+        for (size_t i = 0; i < w; i++)
+            o[1 + i] = (unsigned char)(n >> (8 * (w - 1 - i)));
+    }
+    return w + 1;
 }
 
 static inline uint32_t

@@ -169,11 +169,8 @@ scan_gpu_batch(PyObject *Py_UNUSED(mod), PyObject *payload)
     uint32_t nb, ne;
     double ts;
     KeySink *ks = sink_here();
-    if (ks != NULL) {
-        ks->scanned = 0;
-        ks->nstores = 0;
-        ks->nkeys = 0;
-    }
+    if (ks != NULL)
+        sink_reset(ks);
     if (!rd_len(&r, 0x90, 0x9f, 0xdc, 0xdd, &nb) || (nb != 2 && nb != 3) || r.p >= r.end)
         goto none;
     if (!rd_ts(&r, &ts))

@@ -382,9 +382,7 @@ jc_run_apply(JournalCore *self, PyObject *const *args, Py_ssize_t nargs)
     if (sink) { /* opened for this thread: what the apply knows of the batch (core.h) */
         ks->owner = PyThreadState_Get();
         ks->seed = (uint64_t)self->seed;
-        ks->scanned = 0;
-        ks->nstores = 0;
-        ks->nkeys = 0;
+        sink_reset(ks);
     }
     PyObject *r = PyObject_Vectorcall(args[1], args + 2, 6, NULL);
     self->active = prev;

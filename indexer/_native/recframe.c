@@ -134,7 +134,8 @@ w_str(Out *o, const char *s, size_t n)
 static int
 w_bin_head(Out *o, size_t n)
 {
-    return n < 256 ? put_be(o, 0xc4, n, 1) : n < 65536 ? put_be(o, 0xc5, n, 2) : put_be(o, 0xc6, n, 4);
+    unsigned char b[5];
+    return put(o, b, put_bin_head(b, n));
 }
 
 /* ------------------------------------------------------------------ hashed payloads */
@@ -210,48 +211,13 @@ strip_batch(const unsigned char *p, size_t n, Out *o, Out *scratch, uint64_t see
 
 /* ------------------------------------------------------------------ records */
 
-/* One apply's fields, pointing into its run's buffer. */
-typedef struct {
-    int64_t op, dp_rank, seq;
-    int has_rank, has_seq, has_ts;
-    double wall, ts;
-    const char *engine, *model, *outcome, *payload;
-    Py_ssize_t engine_n, model_n, outcome_n, payload_n;
-    size_t t0, nt; /* its clock readings: times[t0 : t0 + nt] */
-    int stripped;  /* the payload is as ``hashed`` mode keeps it already */
-} Apply;
-
-static void
-read_rec(const ARec *r, Apply *a)
-{
-    a->op = r->op;
-    a->dp_rank = r->dp_rank;
-    a->seq = r->seq;
-    a->has_rank = r->has_rank;
-    a->has_seq = r->has_seq;
-    a->has_ts = r->has_ts;
-    a->wall = r->wall;
-    a->ts = r->ts;
-    a->engine = AREC_ENGINE(r);
-    a->model = AREC_MODEL(r);
-    a->outcome = AREC_OUTCOME(r);
-    a->payload = (const char *)AREC_PAYLOAD(r);
-    a->engine_n = (Py_ssize_t)r->engine_n;
-    a->model_n = (Py_ssize_t)r->model_n;
-    a->outcome_n = (Py_ssize_t)r->outcome_n;
-    a->payload_n = (Py_ssize_t)r->payload_n;
-    a->t0 = 0;
-    a->nt = r->nt;
-    a->stripped = r->stripped;
-}
-
 /* One apply's frame appended to ``out`` (its body written in place after the 8 bytes
  * of length and checksum): 1; 0 the payload is not of the plain shape (hashed mode),
  * ``out`` as it was; -1 out of memory. */
 static int
-frame_apply(const Apply *a, const double *times, int hashed, uint64_t seed, Out *out, Out *pl, Out *scratch)
+frame_apply(const ARec *a, int hashed, uint64_t seed, Out *out, Out *pl, Out *scratch)
 {
-    const unsigned char *payload = (const unsigned char *)a->payload;
+    const unsigned char *payload = AREC_PAYLOAD(a);
     size_t payload_n = (size_t)a->payload_n;
     if (hashed && !a->stripped) {
         pl->len = 0;
@@ -265,13 +231,14 @@ frame_apply(const Apply *a, const double *times, int hashed, uint64_t seed, Out 
     if (!room(out, 8))
         return -1;
     out->len += 8;
-    int ok = w_arr(out, 5) && w_int(out, a->op) && w_f64(out, a->wall) && w_arr(out, (uint32_t)a->nt);
-    for (size_t i = 0; ok && i < a->nt; i++)
-        ok = w_f64(out, times[a->t0 + i]);
-    ok = ok && w_arr(out, 5) && w_str(out, a->engine, (size_t)a->engine_n) && w_bin_head(out, payload_n) &&
-         put(out, payload, payload_n) && w_str(out, a->model, (size_t)a->model_n) &&
+    const double *times = AREC_TIMES(a);
+    int ok = w_arr(out, 5) && w_int(out, a->op) && w_f64(out, a->wall) && w_arr(out, a->nt);
+    for (uint32_t i = 0; ok && i < a->nt; i++)
+        ok = w_f64(out, times[i]);
+    ok = ok && w_arr(out, 5) && w_str(out, AREC_ENGINE(a), a->engine_n) && w_bin_head(out, payload_n) &&
+         put(out, payload, payload_n) && w_str(out, AREC_MODEL(a), a->model_n) &&
          (a->has_rank ? w_int(out, a->dp_rank) : w_nil(out)) && (a->has_seq ? w_int(out, a->seq) : w_nil(out)) &&
-         w_arr(out, 2) && w_str(out, a->outcome, (size_t)a->outcome_n) && (a->has_ts ? w_f64(out, a->ts) : w_nil(out));
+         w_arr(out, 2) && w_str(out, AREC_OUTCOME(a), a->outcome_n) && (a->has_ts ? w_f64(out, a->ts) : w_nil(out));
     if (!ok)
         return -1;
     size_t n = out->len - at - 8;
@@ -347,10 +314,7 @@ frame_run(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
      * change, and only this thread moves its cursor. */
     Py_BEGIN_ALLOW_THREADS
     for (; done < run->count; done++) {
-        Apply a;
-        const ARec *r = kvi_run_rec(run, done);
-        read_rec(r, &a);
-        st = frame_apply(&a, AREC_TIMES(r), hashed, seed, &out, &pl, scratch);
+        st = frame_apply(kvi_run_rec(run, done), hashed, seed, &out, &pl, scratch);
         if (st <= 0)
             break;
         if (out.len >= WRITE_AT) {

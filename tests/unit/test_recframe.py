@@ -73,6 +73,7 @@ def _shapes(rnd: random.Random) -> list:
         ("e0", encode_batch([store(t, BS, 0, 3)], dp_rank=0), 0),  # plain, one store
         ("e0", encode_batch([store(t, BS, 3, 6), store(u, BS, 0, 3)], dp_rank=None), None),  # two, no rank
         ("e1", encode_batch([store(big, BS, 0, 16)], ts=12.5, dp_rank=3), 3),  # ids of every width
+        ("e1", encode_batch([store(toks(5000, 40, BS), BS, 0, 40)], dp_rank=3), 3),  # 320 B of keys: a bin 16
         ("e1", encode_batch([store(t, BS, 0, 2, lora_name="ad")]), 0),  # LoRA: Python's
         ("e1", encode_batch([store(t, BS, 0, 2, medium="CPU")]), 0),  # CPU tier: Python's
         ("e1", encode_batch([removed([1, 2])]), 0),  # a removal: Python's
