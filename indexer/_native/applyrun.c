@@ -18,6 +18,44 @@
  * payload is already as ``hashed`` mode keeps it: that is the payload it gives). */
 #include "journal.h"
 
+#include <sys/mman.h>
+
+/* ------------------------------------------------------------------ buffers */
+
+#define HUGE_PAGE ((size_t)2 << 20)
+
+/* A run's buffer of ``cap`` bytes: a mapping of its own, 2 MiB-aligned and asked for
+ * in transparent huge pages (MADV_HUGEPAGE: THP's "madvise" mode, a common default),
+ * so 4 MiB faults in as 2 pages, not 1,024 of 4 KiB (2-4 us each on this VM, ~4% of a
+ * burst's ingest when buffers were made as it needed them). Without THP it is an
+ * ordinary mapping. NULL: out of memory. */
+KVI_HIDDEN unsigned char *
+kvi_run_buf(size_t cap)
+{
+    size_t span = cap + HUGE_PAGE;
+    unsigned char *m = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED)
+        return NULL;
+    uintptr_t at = ((uintptr_t)m + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1);
+    unsigned char *buf = (unsigned char *)at;
+    size_t head = (size_t)(buf - m), end = (cap + 4095) & ~(size_t)4095;
+    if (head)
+        munmap(m, head);
+    if (span - head > end)
+        munmap(buf + end, span - head - end);
+#ifdef MADV_HUGEPAGE
+    madvise(buf, end, MADV_HUGEPAGE);
+#endif
+    return buf;
+}
+
+KVI_HIDDEN void
+kvi_run_buf_free(unsigned char *buf, size_t cap)
+{
+    if (buf != NULL)
+        munmap(buf, (cap + 4095) & ~(size_t)4095);
+}
+
 KVI_HIDDEN const ARec *
 kvi_run_rec(ApplyRun *run, Py_ssize_t i)
 {
@@ -47,7 +85,7 @@ kvi_journal_release(PyObject *journal, Py_ssize_t count, size_t len, unsigned ch
     if (buf != NULL && self->nspare < self->keep && cap == RUN_BYTES)
         self->spare[self->nspare++] = buf;
     else
-        free(buf);
+        kvi_run_buf_free(buf, cap);
 }
 
 /* The open run, with room for ``need`` more bytes (the one before queued if it has
@@ -64,7 +102,7 @@ open_run(JournalCore *self, size_t need)
         if (run == NULL)
             return NULL;
         size_t cap = need > RUN_BYTES ? need : RUN_BYTES;
-        unsigned char *buf = cap == RUN_BYTES && self->nspare > 0 ? self->spare[--self->nspare] : malloc(cap);
+        unsigned char *buf = cap == RUN_BYTES && self->nspare > 0 ? self->spare[--self->nspare] : kvi_run_buf(cap);
         if (buf == NULL) {
             PyObject_GC_Del(run);
             PyErr_NoMemory();
@@ -203,16 +241,14 @@ kvi_journal_stock(JournalCore *self, Py_ssize_t bytes)
     Py_ssize_t n = bytes <= 0 ? 0 : (bytes + RUN_BYTES - 1) / RUN_BYTES;
     self->keep = n > SPARE_MAX ? SPARE_MAX : (int)n;
     while (self->nspare > self->keep) /* 0: the recording ended, its buffers go */
-        free(self->spare[--self->nspare]);
+        kvi_run_buf_free(self->spare[--self->nspare], RUN_BYTES);
     while (self->nspare < self->keep) {
-        unsigned char *buf = malloc(RUN_BYTES);
+        unsigned char *buf = kvi_run_buf(RUN_BYTES);
         if (buf == NULL) {
             PyErr_NoMemory();
             return -1;
         }
-        /* Each page faulted in now. Not with 0: malloc and a zeroing memset may become
-         * calloc, which touches nothing. */
-        memset(buf, 0xA5, RUN_BYTES);
+        memset(buf, 0xA5, RUN_BYTES); /* each page faulted in now */
         self->spare[self->nspare++] = buf;
     }
     return 0;
@@ -241,7 +277,7 @@ ar_dealloc(ApplyRun *self)
     if (self->journal != NULL)
         kvi_journal_release(self->journal, self->count, self->len, self->buf, self->cap);
     else
-        free(self->buf);
+        kvi_run_buf_free(self->buf, self->cap);
     self->buf = NULL;
     ar_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);

@@ -83,7 +83,7 @@ jc_dealloc(JournalCore *self)
     jc_clear(self);
     PyMem_Free(self->times);
     while (self->nspare > 0)
-        free(self->spare[--self->nspare]);
+        kvi_run_buf_free(self->spare[--self->nspare], RUN_BYTES);
     Py_TYPE(self)->tp_free((PyObject *)self); /* a subclass's dealloc drops its type's reference */
 }
 

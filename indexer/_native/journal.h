@@ -5,11 +5,12 @@
 
 #include "core.h"
 
-/* Buffers for runs, kept: a new run's buffer is the C allocator's fresh mmap, whose
- * pages each fault on first touch (2-4 us each on this VM, and charged to the
- * memory cgroup) on the thread that applies batches: ~5,000 faults for 10^6 blocks, ~4%
- * of a burst's ingest. stock() makes and touches them once (as many as wake_bytes
- * holds, when the recording starts), and a run written hands its buffer back. */
+/* Buffers for runs, kept: a new run's buffer faults in on first touch on the thread
+ * that applies batches. In 4 KiB pages that was ~5,000 faults for 10^6 blocks (2-4 us
+ * each on this VM), ~4% of a burst's ingest; a buffer is now asked for in huge pages
+ * (applyrun.c's kvi_run_buf), 2 faults each. stock() makes and touches a few once,
+ * when the recording starts, and a run written hands its buffer back while fewer than
+ * that are kept. */
 #define SPARE_MAX 256
 
 typedef struct {
@@ -41,6 +42,10 @@ typedef struct {
  * are fewer GIL hand-overs for the writer, which takes the GIL once a run. */
 #define RUN_BYTES (4u << 20)
 
+/* A run's buffer of ``cap`` bytes, in huge pages where the kernel gives them, or NULL;
+ * and its release (applyrun.c). */
+KVI_HIDDEN unsigned char *kvi_run_buf(size_t cap);
+KVI_HIDDEN void kvi_run_buf_free(unsigned char *buf, size_t cap);
 /* The open run queued (journal.c): 0, or -1 with an error set. */
 KVI_HIDDEN int kvi_seal(JournalCore *self);
 /* time.time() (journal.c). */
