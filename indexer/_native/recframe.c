@@ -21,7 +21,7 @@
  * block keys (uint64 LE bytes, bin). In ``hashed`` mode a batch that is not of the
  * plain GPU shape (the one scan_gpu_batch reads) stops the framing: ``next`` is its
  * index and the caller encodes ``run.item(next)`` in Python. */
-#include "core.h"
+#include "mpwrite.h"
 #include "reader.h"
 
 #include <errno.h>
@@ -38,104 +38,6 @@ static uint32_t
 checksum(const unsigned char *p, size_t n)
 {
     return (uint32_t)kvi_xxh3_64(p, n, 0);
-}
-
-/* ------------------------------------------------------------------ output */
-
-/* A growable buffer of the C allocator's (usable without the GIL). */
-typedef struct {
-    unsigned char *buf;
-    size_t len, cap;
-} Out;
-
-static int
-room(Out *o, size_t more)
-{
-    if (o->len + more <= o->cap)
-        return 1;
-    size_t nc = o->cap ? o->cap : 8192;
-    while (nc < o->len + more)
-        nc *= 2;
-    unsigned char *nb = realloc(o->buf, nc);
-    if (nb == NULL)
-        return 0;
-    o->buf = nb;
-    o->cap = nc;
-    return 1;
-}
-
-static int
-put(Out *o, const void *p, size_t n)
-{
-    if (!room(o, n))
-        return 0;
-    memcpy(o->buf + o->len, p, n);
-    o->len += n;
-    return 1;
-}
-
-static int
-put_be(Out *o, unsigned char tag, uint64_t v, int w)
-{
-    unsigned char b[9];
-    b[0] = tag;
-    for (int i = 0; i < w; i++)
-        b[1 + i] = (unsigned char)(v >> (8 * (w - 1 - i)));
-    return put(o, b, (size_t)w + 1);
-}
-
-/* msgpack, smallest encodings (what msgspec writes; any encoding reads back the same). */
-static int
-w_arr(Out *o, uint32_t n)
-{
-    unsigned char c = (unsigned char)(0x90 | n);
-    return n < 16 ? put(o, &c, 1) : n < 65536 ? put_be(o, 0xdc, n, 2) : put_be(o, 0xdd, n, 4);
-}
-
-static int
-w_int(Out *o, int64_t v)
-{
-    if (v >= 0) {
-        uint64_t u = (uint64_t)v;
-        unsigned char c = (unsigned char)u;
-        return u < 128 ? put(o, &c, 1) : u < 256 ? put_be(o, 0xcc, u, 1) : u < 65536 ? put_be(o, 0xcd, u, 2)
-             : u <= 0xffffffffULL ? put_be(o, 0xce, u, 4) : put_be(o, 0xcf, u, 8);
-    }
-    unsigned char c = (unsigned char)(int8_t)v;
-    return v >= -32 ? put(o, &c, 1) : v >= -128 ? put_be(o, 0xd0, (uint8_t)v, 1)
-         : v >= -32768 ? put_be(o, 0xd1, (uint16_t)v, 2) : v >= INT32_MIN ? put_be(o, 0xd2, (uint32_t)v, 4)
-         : put_be(o, 0xd3, (uint64_t)v, 8);
-}
-
-static int
-w_f64(Out *o, double d)
-{
-    uint64_t u;
-    memcpy(&u, &d, 8);
-    return put_be(o, 0xcb, u, 8);
-}
-
-static int
-w_nil(Out *o)
-{
-    unsigned char c = 0xc0;
-    return put(o, &c, 1);
-}
-
-static int
-w_str(Out *o, const char *s, size_t n)
-{
-    unsigned char c = (unsigned char)(0xa0 | n);
-    int ok = n < 32 ? put(o, &c, 1) : n < 256 ? put_be(o, 0xd9, n, 1) : n < 65536 ? put_be(o, 0xda, n, 2)
-           : put_be(o, 0xdb, n, 4);
-    return ok && put(o, s, n);
-}
-
-static int
-w_bin_head(Out *o, size_t n)
-{
-    unsigned char b[5];
-    return put(o, b, put_bin_head(b, n));
 }
 
 /* ------------------------------------------------------------------ hashed payloads */
