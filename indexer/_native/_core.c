@@ -37,6 +37,9 @@
  *               snapshot._py_* twins are the reference, byte for byte).
  *   NodeIndex   dump_tree's node -> index table (16-byte slots over node
  *               pointers, for dump_map and the rest of the cut). (snapshot.c)
+ *   frame_run, frame_many, encode_record
+ *               a recording's frames and records (recframe.c, recquery.c;
+ *               record.py's Python encoder is the reference, byte for byte).
  *   tokens_from_msgpack, scan_gpu_batch
  *               an event's msgpack token ids straight to little-endian uint32
  *               bytes, and a batch of plain GPU stores read in one pass, with no
@@ -74,7 +77,7 @@ PyInit__core(void)
         return NULL;
     /* Each file's functions: the same names and docstrings as when one table held them. */
     PyMethodDef *tables[] = {kvi_answers_methods, kvi_ranking_methods, kvi_rankout_methods, kvi_keys_methods, kvi_events_methods,
-                             kvi_tree_methods, kvi_snapshot_methods, kvi_recframe_methods};
+                             kvi_tree_methods, kvi_snapshot_methods, kvi_recframe_methods, kvi_recquery_methods};
     for (size_t i = 0; i < sizeof tables / sizeof tables[0]; i++)
         if (PyModule_AddFunctions(mod, tables[i]) < 0)
             goto fail;

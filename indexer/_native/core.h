@@ -18,6 +18,8 @@
  *               journal.h: its struct)
  *   applyrun.c  ApplyRun: the applies a journal lays out in one buffer, no object each
  *   recframe.c  a recording's frames, built without the GIL: frame_run, frame_many
+ *   recquery.c  a recording's query records (and notes, ends, registrations): encode_record
+ *               (mpwrite.h: the msgpack writer both share)
  *   snapshot.c  a snapshot's columns: NodeIndex, dump_*, node_index, translate, load_*
  *   answers.c   the ranked answers of a GPU-only match
  *   ranking.c   a route's ranking of its candidates
@@ -308,6 +310,7 @@ map_new(void)
 
 /* keys.c: the block key's hash, xxh3-64 with a seed (the xxhash wheel's XXH3_64bits_withSeed). */
 KVI_HIDDEN uint64_t kvi_xxh3_64(const void *data, size_t len, uint64_t seed);
+KVI_HIDDEN uint64_t kvi_xxh64(const void *data, size_t len, uint64_t seed);
 
 /* u64map.c. kvi_map_put stores (k, v) taking a new reference and replaces an existing
  * value; kvi_map_take removes slot i and returns its value (the caller owns it);
@@ -429,6 +432,7 @@ extern KVI_HIDDEN PyMethodDef kvi_tree_methods[];
 extern KVI_HIDDEN PyMethodDef kvi_keys_methods[];
 extern KVI_HIDDEN PyMethodDef kvi_events_methods[];
 extern KVI_HIDDEN PyMethodDef kvi_recframe_methods[];
+extern KVI_HIDDEN PyMethodDef kvi_recquery_methods[];
 extern KVI_HIDDEN PyMethodDef kvi_snapshot_methods[];
 extern KVI_HIDDEN PyMethodDef kvi_answers_methods[];
 extern KVI_HIDDEN PyMethodDef kvi_ranking_methods[];

@@ -30,6 +30,13 @@ kvi_xxh3_64(const void *data, size_t len, uint64_t seed)
     return XXH3_64bits_withSeed(data, len, seed);
 }
 
+/* xxh64 (not xxh3): a recorded answer's digest, xxhash.xxh64_intdigest's (recquery.c). */
+KVI_HIDDEN uint64_t
+kvi_xxh64(const void *data, size_t len, uint64_t seed)
+{
+    return XXH64(data, len, seed);
+}
+
 PyDoc_STRVAR(block_keys_doc,
 "block_keys(buf, block_size, seed, limit=-1, start=0, packed=False) -> list[int] | bytes\n\n"
 "xxh3-64 of each full block `start` .. `limit` (-1: all) of `buf`, little-endian\n"

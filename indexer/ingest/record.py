@@ -37,8 +37,9 @@ from indexer.ingest.recops import encode_call, encode_result
 from indexer.ingest.recprivacy import MODES, strip_event
 from indexer.query.index import PrefixIndex
 from indexer.query.match import KeySource, _LazyKeys
+from indexer.store import journal as J
 from indexer.store.flightstate import dump_flight
-from indexer.store.journal import Journal
+from indexer.store.journal import Journal, Raised
 from indexer.store.snapshot import cut_locked, finish
 from indexer.wire.keys import KEY_SEED
 
@@ -59,11 +60,23 @@ _WRITE_BYTES = 8 << 20
 # entries): dumped while a burst was applied, it cost that burst's ingest ~25%
 # (bench_record.py --service --entries 4000000).
 _CALM_RATE = 4 << 20
-# Records encoded here between two hand-overs of the GIL. A query's record is ~3-7 us of
-# Python; a request that needs the GIL meanwhile waits for the switch interval (0.2 ms in
-# the service) unless the writer lets go: encoded 1,024 at a time without, the service's
-# /query and /v1/route p99 were +50-80% while recorded (bench_record.py --service).
+# Records encoded here between two hand-overs of the GIL. A query's record is ~2.5 us
+# compiled (recquery.c), ~3-7 us in Python; a request that needs the GIL meanwhile waits
+# for the switch interval (0.2 ms in the service) unless the writer lets go: encoded 1,024
+# at a time without, the service's /query and /v1/route p99 were +50-80% while recorded
+# (bench_record.py --service).
 _YIELD_EVERY = 8
+# Buffers one writev takes at most (POSIX's IOV_MAX is at least 16; Linux's, 1,024).
+_IOV_MAX = 16
+# What the compiled encoder (recquery.c) writes of each record, by op: the arguments as a
+# list and a scalar result (GENERIC), the same with no result (a registration), /query's
+# match_plain, a route. Every other op (and full mode) is the Python encoder's.
+_NOTE, _GENERIC, _GENERIC_NONE, _MATCH_PLAIN, _ROUTE = range(5)
+_KINDS: dict[Any, int] = {op: _GENERIC for op in (
+    J.DROP_WORKER, J.DROP_ENGINE, J.RESET_WORKER, J.CLEAR_ENGINE, J.MARK_STALE, J.CLEAR_STALE, J.COUNT,
+    J.COUNT_DROPPED, J.ROUTE_DONE, J.TIE_SLOT, J.DROP_PEER, J.EXPIRE, J.CLOSE)}
+_KINDS.update({"note": _NOTE, J.REGISTER: _GENERIC_NONE, J.MATCH_PLAIN: _MATCH_PLAIN, J.ROUTE: _ROUTE})
+_encode_record: Any = getattr(_core, "encode_record", None)
 
 
 def _frames_py(bodies: list[bytes]) -> bytes:
@@ -144,7 +157,8 @@ class Recorder:
     wake_every, wake_bytes:
         And it is woken every this many records queued (a query's record holds its
         objects), and when the batches applied and not written yet (copies, in the
-        journal's runs) hold this many bytes (32 MiB: ~10^6 blocks).
+        journal's runs) hold this many bytes (128 MiB: ~6·10^6 blocks in ``hashed`` mode;
+        a larger burst is written while it is applied). Held in memory until written.
     defer_s:
         A timer's wake leaves what is queued this long: a burst is written when it is
         over, not while it competes with the ingest (:meth:`_Pace.defer`). 0: written at every
@@ -156,7 +170,7 @@ class Recorder:
     def __init__(self, directory: str, *, max_bytes: int = 1 << 30, max_age_s: float = 0.0,
                  segment_bytes: int = 64 << 20, segment_s: float = 600.0, tokens: str = "hashed",
                  flush_s: float = 0.2, max_pending: int = 1_000_000, wake_every: int = 1024,
-                 wake_bytes: int = 32 << 20, defer_s: float = 1.0) -> None:
+                 wake_bytes: int = 128 << 20, defer_s: float = 1.0) -> None:
         if tokens not in MODES:
             raise ValueError(f"tokens must be one of {', '.join(MODES)}, not {tokens!r}")
         if segment_bytes < 4096 or max_bytes < segment_bytes:
@@ -171,6 +185,7 @@ class Recorder:
         self.wake_every = max(1, int(wake_every))
         self.wake_bytes = max(1, int(wake_bytes))
         self._pace = _Pace(float(defer_s))
+        self._compiled = _encode_record is not None and tokens != "full"
         self.journal: Journal | None = None
         self.index: PrefixIndex | None = None
         self._max_pending = int(max_pending)
@@ -214,7 +229,9 @@ class Recorder:
             # apply made in place of its token ids (core.h's key sink), not the writer.
             j.strip = self.tokens == "hashed"
             j.seed = KEY_SEED
-            j.stock(self.wake_bytes + (16 << 20))  # the runs' buffers, touched now, and room while a drain runs
+            # Buffers for 16 MiB of runs, touched now and kept between bursts; a burst makes
+            # the rest as it goes (huge pages: applyrun.c's kvi_run_buf).
+            j.stock(16 << 20)
             self.journal = j
             self.index = index
             index._rec = j
@@ -389,6 +406,15 @@ class Recorder:
             i += 1
 
     def _encode(self, item: tuple[Any, ...]) -> bytes:
+        kind = _KINDS.get(item[0])
+        if kind is not None and self._compiled:
+            body = _encode_record(item, kind, self.tokens == "hashed", KEY_SEED, Raised)
+            if body is not None:
+                if kind != _NOTE:
+                    self.records += 1
+                    if kind >= _MATCH_PLAIN and item[3] is not None:
+                        self.answers += 1
+                return body  # type: ignore[no-any-return]
         if item[0] == "note":
             return _enc.encode(list(item))
         op, wall, args, result, times = item
@@ -404,11 +430,10 @@ class Recorder:
         if not frames or self._file is None or self.stopped is not None:
             frames.clear()
             return
-        data = b"".join(frames)
+        n = _write_all(self._file, frames)  # unbuffered: straight to the file, as the compiled framer writes
         frames.clear()
-        _write_all(self._file, data)  # unbuffered: straight to the file, as the compiled framer writes
-        self._seg_bytes += len(data)
-        self.bytes_written += len(data)
+        self._seg_bytes += n
+        self.bytes_written += n
 
     def _new_segment(self, base: tuple[Any, ...]) -> None:
         _, head, cut, flight, exact = base
@@ -429,10 +454,8 @@ class Recorder:
         self.segments_started += 1
         self._want_base = False
         head = dict(head, segment=self._seg_n, ops=self.records)
-        data = MAGIC + frame(_enc.encode(["base", head, snap, flight, exact]))
-        self._base_bytes = len(data)
-        _write_all(f, data)
-        self.bytes_written += len(data)
+        self._base_bytes = n = _write_all(f, [MAGIC, frame(_enc.encode(["base", head, snap, flight, exact]))])
+        self.bytes_written += n
         self._enforce_caps()
 
     def rotate(self) -> None:
@@ -512,12 +535,23 @@ def _strip_orphan(event: bytes, mode: str) -> bytes:
     return _enc.encode(strip_event(msgspec.msgpack.decode(event), mode))
 
 
-def _write_all(f: IO[bytes], data: bytes) -> None:
-    """All of ``data`` to the unbuffered file ``f`` (a raw write may take part of it)."""
-    view = memoryview(data)
-    while view:
-        n = f.write(view)
-        view = view[n or 0:]
+def _write_all(f: IO[bytes], frames: list[bytes]) -> int:
+    """All of ``frames``, in order, to the unbuffered file ``f`` (a raw write may take part
+    of it); returns the bytes written. One writev, not a join: joining a drain's frames
+    (~1.5 MB for 1,024 queries) was a copy made holding the GIL, ~0.2 ms a request that
+    arrived meanwhile waited."""
+    total = sum(map(len, frames))
+    # Without writev (Windows): one write of the frames joined.
+    views = [memoryview(b) for b in frames] if hasattr(os, "writev") else [memoryview(b"".join(frames))]
+    fd = f.fileno()
+    while views:
+        n = os.writev(fd, views[:_IOV_MAX]) if len(views) > 1 else f.write(views[0]) or 0
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+    return total
 
 
 def _size(path: str) -> int:

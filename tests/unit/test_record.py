@@ -327,3 +327,18 @@ def test_a_segment_of_the_first_format_replays(tmp_path):
     data[12] ^= 0xFF  # the first frame's crc32
     Path(first).write_bytes(bytes(data))
     assert "crc32 does not match" in replay(str(tmp_path / "old")).damage[0].reason
+
+
+def test_frames_are_written_whole_when_the_kernel_takes_part_of_each_write(tmp_path, monkeypatch):
+    """A raw write may take part of what it is given: what is left is written next, in
+    order, across frames."""
+    from indexer.ingest import record as R
+
+    real = os.writev
+    monkeypatch.setattr(R.os, "writev", lambda fd, bufs: real(fd, [bytes(bufs[0])[:3]]))
+    frames = [b"abcdefg", b"", b"hi", os.urandom(40), b"j" * 5]
+    path = tmp_path / "w"
+    with open(path, "wb", buffering=0) as f:
+        assert R._write_all(f, list(frames)) == sum(map(len, frames))
+        assert R._write_all(f, [b"tail"]) == 4
+    assert path.read_bytes() == b"".join(frames) + b"tail"

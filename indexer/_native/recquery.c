@@ -1,0 +1,499 @@
+/* recquery.c: the body of a journaled query's record (and of the small records a
+ * recording keeps beside it: notes, a route's end, a registration) written here, byte
+ * for byte what record.py's Python encoder makes of the journal's tuple (the reference:
+ * recops.encode_call and encode_result, then msgspec), or None: a shape left to it.
+ *
+ *   encode_record(item, kind, hashed, seed, raised) -> bytes | None
+ *
+ * ``kind`` is what record.py read off the op: NOTE, GENERIC (the arguments as a list, a
+ * scalar result), GENERIC_NONE (the same with no result kept: a registration),
+ * MATCH_PLAIN (/query, /v1/match) or ROUTE (a route whose ranking the compiled core
+ * wrote as JSON: /v1/route). ``hashed``: the prompt kept as its block keys (hashed
+ * mode), else as its length (none mode; full mode is the Python encoder's). ``raised``:
+ * journal.Raised, whose records the Python encoder keeps.
+ *
+ * Why: the writer thread shares the GIL with the requests. Encoded in Python, a /query
+ * record held it ~4.3 us (a MatchResult's msgpack, its digest, the keys, ~20 frames) and
+ * a /v1/route record ~4.5 us; a service answering thousands a second gave that to the
+ * writer while requests waited. Here: ~1 us. */
+#include "mpwrite.h"
+
+#define MAX_KEPT_ANSWER 8192 /* recops.MAX_KEPT_ANSWER: an answer kept whole up to this size */
+#define DEPTH_MAX 32
+
+enum { K_NOTE, K_GENERIC, K_GENERIC_NONE, K_MATCH_PLAIN, K_ROUTE };
+
+/* ------------------------------------------------------------------ values */
+
+/* ``x`` as msgspec encodes it, for the types a record holds (None, bool, int, float,
+ * str, bytes, tuples and their subclasses, lists, dicts): 1; 0 any other (the record
+ * is left to Python); -1 out of memory. */
+static int
+w_obj(Out *o, PyObject *x, int depth)
+{
+    if (x == Py_None)
+        return w_nil(o) ? 1 : -1;
+    if (x == Py_True || x == Py_False)
+        return w_bool(o, x == Py_True) ? 1 : -1;
+    if (PyLong_CheckExact(x)) {
+        int of;
+        long long v = PyLong_AsLongLongAndOverflow(x, &of);
+        if (of == 0)
+            return w_int(o, v) ? 1 : -1;
+        if (of < 0)
+            return 0;
+        unsigned long long u = PyLong_AsUnsignedLongLong(x);
+        if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0; /* past uint64: msgspec refuses it, as the Python encoder would */
+        }
+        return put_be(o, 0xcf, u, 8) ? 1 : -1;
+    }
+    if (PyFloat_CheckExact(x))
+        return w_f64(o, PyFloat_AS_DOUBLE(x)) ? 1 : -1;
+    if (PyUnicode_CheckExact(x)) {
+        Py_ssize_t n;
+        const char *s = PyUnicode_AsUTF8AndSize(x, &n);
+        if (s == NULL) {
+            PyErr_Clear(); /* a lone surrogate: msgspec's error, in Python */
+            return 0;
+        }
+        return w_str(o, s, (size_t)n) ? 1 : -1;
+    }
+    if (PyBytes_CheckExact(x))
+        return w_bin(o, PyBytes_AS_STRING(x), (size_t)PyBytes_GET_SIZE(x)) ? 1 : -1;
+    if (depth >= DEPTH_MAX)
+        return 0;
+    if (PyTuple_Check(x) || PyList_CheckExact(x)) { /* a NamedTuple is an array to msgspec */
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(x);
+        if (!w_arr(o, (uint32_t)n))
+            return -1;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            /* a list's items are read again each time: a value's encoding runs no Python */
+            int r = w_obj(o, PySequence_Fast_GET_ITEM(x, i), depth + 1);
+            if (r <= 0)
+                return r;
+        }
+        return 1;
+    }
+    if (PyDict_CheckExact(x)) {
+        if (!w_map(o, (uint32_t)PyDict_GET_SIZE(x)))
+            return -1;
+        Py_ssize_t pos = 0;
+        PyObject *k, *v;
+        while (PyDict_Next(x, &pos, &k, &v)) {
+            int r = w_obj(o, k, depth + 1);
+            if (r > 0)
+                r = w_obj(o, v, depth + 1);
+            if (r <= 0)
+                return r;
+        }
+        return 1;
+    }
+    return 0;
+}
+
+static int
+w_u64(Out *o, uint64_t u)
+{
+    return u <= (uint64_t)INT64_MAX ? w_int(o, (int64_t)u) : put_be(o, 0xcf, u, 8);
+}
+
+/* ------------------------------------------------------------------ prompts */
+
+/* recops._query of a prompt with no namespace (seed ``seed``): ``{"n": ntok, "k": {bs:
+ * keys}}`` for each block size of ``sizes`` (a tuple, or a dict's keys), or ``{"n":
+ * ntok}`` unless ``hashed``. 1, 0, -1 as w_obj. */
+static int
+w_prompt(Out *o, PyObject *buf, PyObject *sizes, int hashed, uint64_t seed)
+{
+    if (!PyBytes_CheckExact(buf))
+        return 0;
+    Py_ssize_t ntok = PyBytes_GET_SIZE(buf) / 4;
+    if (!w_map(o, hashed ? 2 : 1) || !w_str(o, "n", 1) || !w_int(o, ntok))
+        return -1;
+    if (!hashed)
+        return 1;
+    Py_ssize_t nsz = PyTuple_Check(sizes) ? PyTuple_GET_SIZE(sizes) : PyDict_GET_SIZE(sizes);
+    if (!w_str(o, "k", 1) || !w_map(o, (uint32_t)nsz))
+        return -1;
+    Py_ssize_t pos = 0, i = 0;
+    PyObject *bs_o, *ignored;
+    const char *p = PyBytes_AS_STRING(buf);
+    for (;;) {
+        if (PyTuple_Check(sizes)) {
+            if (i >= nsz)
+                break;
+            bs_o = PyTuple_GET_ITEM(sizes, i++);
+        }
+        else if (!PyDict_Next(sizes, &pos, &bs_o, &ignored))
+            break;
+        if (!PyLong_CheckExact(bs_o))
+            return 0;
+        Py_ssize_t bs = PyLong_AsSsize_t(bs_o);
+        if (bs <= 0) {
+            PyErr_Clear();
+            return 0;
+        }
+        Py_ssize_t n = ntok / bs;
+        size_t step = (size_t)bs * 4;
+        if (!w_int(o, bs) || !w_bin_head(o, (size_t)n * 8) || !room(o, (size_t)n * 8))
+            return -1;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            put_le64(o->buf + o->len, kvi_xxh3_64(p + (size_t)j * step, step, seed));
+            o->len += 8;
+        }
+    }
+    return 1;
+}
+
+/* ------------------------------------------------------------------ answers */
+
+/* recops._answer: ``[body, xxh64(body), summary]`` (body nil past MAX_KEPT_ANSWER), the
+ * summary already written to ``sum``. -1 out of memory, else 1. */
+static int
+w_answer(Out *o, const Out *body, const Out *sum)
+{
+    if (!w_arr(o, 3))
+        return -1;
+    if (!(body->len <= MAX_KEPT_ANSWER ? w_bin(o, body->buf, body->len) : w_nil(o)) ||
+        !w_u64(o, kvi_xxh64(body->buf, body->len, 0)) || !put(o, sum->buf, sum->len))
+        return -1;
+    return 1;
+}
+
+/* MATCH_PLAIN: ``args`` (buf, model, _), ``result`` a MatchResult or None. */
+static int
+w_match_plain(Out *o, Out *body, Out *sum, PyObject *args, PyObject *result, int hashed, uint64_t seed)
+{
+    if (!PyTuple_CheckExact(args) || PyTuple_GET_SIZE(args) != 3)
+        return 0;
+    PyObject *sizes = PyTuple_New(0), *bs = NULL;
+    if (sizes == NULL)
+        return -1;
+    if (result != Py_None) {
+        if (!PyTuple_Check(result) || PyTuple_GET_SIZE(result) != 6 || !PyLong_CheckExact(bs = PyTuple_GET_ITEM(result, 1))) {
+            Py_DECREF(sizes);
+            return 0;
+        }
+        Py_SETREF(sizes, PyTuple_Pack(1, bs));
+        if (sizes == NULL)
+            return -1;
+    }
+    int r = w_arr(o, 2) ? w_prompt(o, PyTuple_GET_ITEM(args, 0), sizes, hashed, seed) : -1;
+    Py_DECREF(sizes);
+    if (r > 0)
+        r = w_obj(o, PyTuple_GET_ITEM(args, 1), 0);
+    if (r <= 0 || result == Py_None)
+        return r <= 0 ? r : (w_nil(o) ? 1 : -1);
+    if ((r = w_obj(body, result, 0)) <= 0)
+        return r;
+    PyObject *best = PyTuple_GET_ITEM(result, 4);
+    if (best == Py_None) {
+        if (!w_nil(sum))
+            return -1;
+    }
+    else {
+        if (!PyTuple_Check(best) || PyTuple_GET_SIZE(best) < 4)
+            return 0;
+        PyObject *name = PyUnicode_FromFormat("%S/%S", PyTuple_GET_ITEM(best, 2), PyTuple_GET_ITEM(best, 3));
+        PyObject *score = name == NULL ? NULL : PyObject_GetAttrString(best, "score");
+        r = score == NULL ? -1 : w_arr(sum, 2) ? w_obj(sum, name, 0) : -1;
+        if (r > 0)
+            r = w_obj(sum, score, 0);
+        Py_XDECREF(name);
+        Py_XDECREF(score);
+        if (r <= 0)
+            return r;
+    }
+    return w_answer(o, body, sum);
+}
+
+static PyObject *
+attr(PyObject *o, const char *name)
+{
+    return PyObject_GetAttrString(o, name);
+}
+
+/* ROUTE's arguments (recops.encode_call): the prompt, the model, the load as [prefill,
+ * decode] per key, the candidates, the scale, record, max_tokens, the link as [engine,
+ * rank, connected, ever] rows, the form. Only a prompt with no namespace. */
+static int
+w_route_call(Out *o, PyObject *args, int hashed, uint64_t seed)
+{
+    if (!PyTuple_CheckExact(args) || PyTuple_GET_SIZE(args) != 9)
+        return 0;
+    PyObject *src = PyTuple_GET_ITEM(args, 0), *load = PyTuple_GET_ITEM(args, 2),
+             *cands = PyTuple_GET_ITEM(args, 3), *link = PyTuple_GET_ITEM(args, 7);
+    if ((load != Py_None && !PyDict_CheckExact(load)) || (link != Py_None && !PyDict_CheckExact(link)) ||
+        (cands != Py_None && !PyList_CheckExact(cands) && !PyTuple_CheckExact(cands)))
+        return 0;
+    PyObject *lora = attr(src, "lora_name"), *salt = lora ? attr(src, "cache_salt") : NULL,
+             *extra = salt ? attr(src, "extra_keys") : NULL, *buf = extra ? attr(src, "buf") : NULL,
+             *sizes = buf ? attr(src, "sizes") : NULL, *cache = sizes ? attr(src, "cache") : NULL;
+    int r = -1;
+    if (cache == NULL) {
+        PyErr_Clear(); /* not a KeySource: the Python encoder's */
+        r = 0;
+        goto done;
+    }
+    int named = PyObject_IsTrue(lora), extras = PyObject_IsTrue(extra);
+    if (named < 0 || extras < 0)
+        goto done;
+    r = 0;
+    if (named || extras || salt != Py_None || !PyTuple_Check(sizes) || !PyDict_CheckExact(cache))
+        goto done; /* a namespaced prompt's seeds are the Python encoder's */
+    r = -1;
+    if (!w_arr(o, 9))
+        goto done;
+    if ((r = w_prompt(o, buf, PyTuple_GET_SIZE(sizes) ? sizes : cache, hashed, seed)) <= 0 ||
+        (r = w_obj(o, PyTuple_GET_ITEM(args, 1), 0)) <= 0)
+        goto done;
+    r = -1;
+    if (load == Py_None) {
+        if (!w_nil(o))
+            goto done;
+    }
+    else {
+        if (!w_map(o, (uint32_t)PyDict_GET_SIZE(load)))
+            goto done;
+        Py_ssize_t pos = 0;
+        PyObject *k, *v;
+        while (PyDict_Next(load, &pos, &k, &v)) {
+            if (!PyTuple_Check(v) || PyTuple_GET_SIZE(v) < 2) {
+                r = 0;
+                goto done;
+            }
+            if ((r = w_obj(o, k, 0)) <= 0 || (r = w_arr(o, 2) ? 1 : -1) < 0 ||
+                (r = w_obj(o, PyTuple_GET_ITEM(v, 0), 0)) <= 0 || (r = w_obj(o, PyTuple_GET_ITEM(v, 1), 0)) <= 0)
+                goto done;
+            r = -1;
+        }
+    }
+    for (int i = 3; i < 7; i++) /* the candidates (an array as list() makes them), scale, record, max_tokens */
+        if ((r = w_obj(o, PyTuple_GET_ITEM(args, i), 0)) <= 0)
+            goto done;
+    r = -1;
+    if (link == Py_None) {
+        if (!w_nil(o))
+            goto done;
+    }
+    else {
+        if (!w_arr(o, (uint32_t)PyDict_GET_SIZE(link)))
+            goto done;
+        Py_ssize_t pos = 0;
+        PyObject *k, *v;
+        while (PyDict_Next(link, &pos, &k, &v)) {
+            if (!PyTuple_Check(k) || PyTuple_GET_SIZE(k) != 2 || !PyTuple_Check(v) || PyTuple_GET_SIZE(v) < 2) {
+                r = 0;
+                goto done;
+            }
+            if (!w_arr(o, 4)) {
+                r = -1;
+                goto done;
+            }
+            PyObject *cols[4] = {PyTuple_GET_ITEM(k, 0), PyTuple_GET_ITEM(k, 1), PyTuple_GET_ITEM(v, 0),
+                                 PyTuple_GET_ITEM(v, 1)};
+            for (int c = 0; c < 4; c++)
+                if ((r = w_obj(o, cols[c], 0)) <= 0)
+                    goto done;
+        }
+    }
+    r = w_obj(o, PyTuple_GET_ITEM(args, 8), 0);
+done:
+    Py_XDECREF(lora);
+    Py_XDECREF(salt);
+    Py_XDECREF(extra);
+    Py_XDECREF(buf);
+    Py_XDECREF(sizes);
+    Py_XDECREF(cache);
+    return r;
+}
+
+/* Ranking.reason() of a ranking whose best entry scores ``score`` (route.py). */
+static const char *
+route_reason(PyObject *score, PyObject *top, int *err)
+{
+    PyObject *zero = PyLong_FromLong(0);
+    int none = zero == NULL ? -1 : PyObject_RichCompareBool(top, zero, Py_LE);
+    Py_XDECREF(zero);
+    int longest = none != 0 ? 0 : PyObject_RichCompareBool(score, top, Py_GE);
+    *err = none < 0 || longest < 0;
+    return none ? "no_cached_prefix_least_loaded" : longest ? "longest_cached_prefix" : "load_outweighs_cached_prefix";
+}
+
+/* ROUTE's answer (recops.encode_result) of a ranking written as JSON (``json`` not None):
+ * the body ``["json", model, worker, engine, dp_rank, score, cost, reason, tiers,
+ * unused_load, request_id, json]``, the summary ``[request_id, worker, reason, score,
+ * cost]``. The head is Ranking.head() of struct entries, the tiers WorkerMatch.tiers. */
+static int
+w_route_answer(Out *o, Out *body, Out *sum, PyObject *result)
+{
+    if (!PyTuple_CheckExact(result) || PyTuple_GET_SIZE(result) != 2)
+        return 0;
+    PyObject *ranking = PyTuple_GET_ITEM(result, 0), *rid = PyTuple_GET_ITEM(result, 1);
+    if (!PyTuple_Check(ranking) || PyTuple_GET_SIZE(ranking) != 7 || PyTuple_GET_ITEM(ranking, 6) == Py_None ||
+        PyTuple_GET_ITEM(ranking, 5) != Py_True || !PyList_Check(PyTuple_GET_ITEM(ranking, 1)) ||
+        PyList_GET_SIZE(PyTuple_GET_ITEM(ranking, 1)) == 0)
+        return 0;
+    PyObject *head = PyList_GET_ITEM(PyTuple_GET_ITEM(ranking, 1), 0), *best = PyTuple_GET_ITEM(ranking, 2);
+    static const char *const names[5] = {"worker", "engine", "dp_rank", "score", "cost"};
+    PyObject *h[5] = {NULL, NULL, NULL, NULL, NULL};
+    int r = -1, err = 0;
+    for (int i = 0; i < 5; i++)
+        if ((h[i] = attr(head, names[i])) == NULL)
+            goto done;
+    const char *reason = route_reason(h[3], PyTuple_GET_ITEM(ranking, 3), &err);
+    if (err || !w_arr(body, 12) || !w_str(body, "json", 4))
+        goto done;
+    if ((r = w_obj(body, PyTuple_GET_ITEM(ranking, 0), 0)) <= 0)
+        goto done;
+    for (int i = 0; i < 5; i++)
+        if ((r = w_obj(body, h[i], 0)) <= 0)
+            goto done;
+    r = -1;
+    if (!w_str(body, reason, strlen(reason)))
+        goto done;
+    if (best == Py_None) {
+        if (!w_map(body, 0))
+            goto done;
+    }
+    else { /* WorkerMatch.tiers: {name: blocks} of its tier items with blocks */
+        PyObject *items = PyTuple_Check(best) && PyTuple_GET_SIZE(best) > 4 ? PyTuple_GET_ITEM(best, 4) : NULL;
+        if (items == NULL || !PyTuple_Check(items)) {
+            r = 0;
+            goto done;
+        }
+        uint32_t n = 0;
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(items); i++) {
+            PyObject *it = PyTuple_GET_ITEM(items, i);
+            if (!PyTuple_Check(it) || PyTuple_GET_SIZE(it) != 2 || !PyLong_CheckExact(PyTuple_GET_ITEM(it, 1))) {
+                r = 0;
+                goto done;
+            }
+            n += PyObject_IsTrue(PyTuple_GET_ITEM(it, 1));
+        }
+        if (!w_map(body, n))
+            goto done;
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(items); i++) {
+            PyObject *it = PyTuple_GET_ITEM(items, i);
+            if (PyObject_IsTrue(PyTuple_GET_ITEM(it, 1)) &&
+                ((r = w_obj(body, PyTuple_GET_ITEM(it, 0), 0)) <= 0 || (r = w_obj(body, PyTuple_GET_ITEM(it, 1), 0)) <= 0))
+                goto done;
+        }
+    }
+    if ((r = w_obj(body, PyTuple_GET_ITEM(ranking, 4), 0)) <= 0 || (r = w_obj(body, rid, 0)) <= 0 ||
+        (r = w_obj(body, PyTuple_GET_ITEM(ranking, 6), 0)) <= 0)
+        goto done;
+    r = -1;
+    if (!w_arr(sum, 5))
+        goto done;
+    PyObject *cols[5] = {rid, h[0], NULL, h[3], h[4]};
+    for (int i = 0; i < 5; i++) {
+        if (i == 2 ? !w_str(sum, reason, strlen(reason)) : (r = w_obj(sum, cols[i], 0)) <= 0) {
+            r = i == 2 ? -1 : r;
+            goto done;
+        }
+    }
+    r = w_answer(o, body, sum);
+done:
+    for (int i = 0; i < 5; i++)
+        Py_XDECREF(h[i]);
+    return r;
+}
+
+/* ------------------------------------------------------------------ the record */
+
+/* The record ``item`` (journal.py's tuple: ``(op, wall, args, result, times)``, or a
+ * note's ``("note", wall, kind, engine, rank, detail)``) of kind ``kind`` to ``o``: 1, 0, -1
+ * as w_obj. ``body`` and ``sum``: scratch for an answer. */
+static int
+w_record(Out *o, Out *body, Out *sum, PyObject *item, int kind, int hashed, uint64_t seed, PyObject *raised)
+{
+    if (kind == K_NOTE)
+        return PyTuple_CheckExact(item) ? w_obj(o, item, 0) : 0;
+    if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 5)
+        return 0;
+    PyObject *args = PyTuple_GET_ITEM(item, 2), *result = PyTuple_GET_ITEM(item, 3);
+    if (PyObject_TypeCheck(result, (PyTypeObject *)raised))
+        return 0;
+    if (!w_arr(o, 5))
+        return -1;
+    int r;
+    for (int i = 0; i < 3; i++) /* op, wall, the clock readings */
+        if ((r = w_obj(o, PyTuple_GET_ITEM(item, i == 2 ? 4 : i), 0)) <= 0)
+            return r;
+    switch (kind) {
+    case K_MATCH_PLAIN:
+        return w_match_plain(o, body, sum, args, result, hashed, seed);
+    case K_ROUTE:
+        if ((r = w_route_call(o, args, hashed, seed)) <= 0)
+            return r;
+        return w_route_answer(o, body, sum, result);
+    case K_GENERIC:
+    case K_GENERIC_NONE:
+        if (!PyTuple_CheckExact(args) || (r = w_obj(o, args, 0)) <= 0)
+            return r;
+        if (kind == K_GENERIC && result != Py_None) {
+            if (PyLong_Check(result) || PyFloat_Check(result) || PyUnicode_Check(result))
+                return w_obj(o, result, 0); /* a scalar kept as it is (a subclass: Python's) */
+        }
+        return w_nil(o) ? 1 : -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(encode_record_doc,
+"encode_record(item, kind, hashed, seed, raised) -> bytes | None\n\n"
+"The msgpack body of the journal's record `item` of `kind` (0 note, 1 generic,\n"
+"2 generic with no result kept, 3 match_plain, 4 route written as JSON), byte for\n"
+"byte the Python encoder's (record.py); None: a shape left to it. `hashed`: prompts\n"
+"as block keys (seed `seed`), else as their length. `raised`: journal.Raised.");
+
+static PyObject *
+encode_record(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || !PyType_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "encode_record(item, kind, hashed, seed, raised)");
+        return NULL;
+    }
+    long kind = PyLong_AsLong(args[1]);
+    int hashed = PyObject_IsTrue(args[2]);
+    uint64_t seed;
+    if ((kind == -1 && PyErr_Occurred()) || hashed < 0 || as_u64(args[3], &seed) <= 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_OverflowError, "seed must be in [0, 2**64)");
+        return NULL;
+    }
+    /* The writer's buffers, kept (one writer at a time: the GIL, and no Python runs
+     * while they are in use but attribute reads of the index's own types). */
+    static Out keep[3];
+    static int busy;
+    Out local[3] = {{0}};
+    Out *o = busy ? local : keep;
+    int mine = !busy;
+    busy = 1;
+    for (int i = 0; i < 3; i++)
+        o[i].len = 0;
+    int r = w_record(&o[0], &o[1], &o[2], args[0], (int)kind, hashed, seed, args[4]);
+    PyObject *out = r > 0 ? PyBytes_FromStringAndSize((const char *)o[0].buf, (Py_ssize_t)o[0].len)
+                  : r == 0 ? (Py_INCREF(Py_None), Py_None) : (PyErr_Occurred() ? NULL : PyErr_NoMemory());
+    if (mine) {
+        busy = 0;
+        for (int i = 0; i < 3; i++)
+            if (o[i].cap > (1u << 20)) { /* a huge answer's buffer is not kept */
+                free(o[i].buf);
+                o[i].buf = NULL;
+                o[i].cap = 0;
+            }
+    }
+    else
+        for (int i = 0; i < 3; i++)
+            free(local[i].buf);
+    return out;
+}
+
+KVI_HIDDEN PyMethodDef kvi_recquery_methods[] = {
+    {"encode_record", (PyCFunction)(void (*)(void))encode_record, METH_FASTCALL, encode_record_doc},
+    {NULL, NULL, 0, NULL},
+};
