@@ -60,12 +60,18 @@ _WRITE_BYTES = 8 << 20
 # entries): dumped while a burst was applied, it cost that burst's ingest ~25%
 # (bench_record.py --service --entries 4000000).
 _CALM_RATE = 4 << 20
-# Records encoded here between two hand-overs of the GIL. A query's record is ~2.5 us
-# compiled (recquery.c), ~3-7 us in Python; a request that needs the GIL meanwhile waits
-# for the switch interval (0.2 ms in the service) unless the writer lets go: encoded 1,024
-# at a time without, the service's /query and /v1/route p99 were +50-80% while recorded
-# (bench_record.py --service).
-_YIELD_EVERY = 8
+# How long the writer holds the GIL between two hand-overs while it encodes records (a
+# query's is ~2.5 us compiled, recquery.c, ~3-7 us in Python, and its objects' freeing
+# ~1.6 us more, cold from the queue). A request that needs the GIL meanwhile waits for the
+# switch interval (0.2 ms in the service) unless the writer lets go: encoded 1,024 at a
+# time without, the service's /query and /v1/route p99 were +50-80% while recorded
+# (bench_record.py --service). The hand-over is time.sleep(0): ~75 us off the GIL on this
+# VM, time for a waiting thread to wake and take it. os.sched_yield (~1 us) gives it back
+# before the waiter is up, which then waits out the interval anyway: a thread probing
+# the GIL every 50 us waited 2.4-3.3 ms at p99 during a drain, against 0.3 ms with sleep.
+# Records are freed one by one as they are written: a chunk of 512 freed at once held the
+# GIL ~0.8 ms (the same probe: 0.7 ms at p99 before, 0.3 ms after).
+_HOLD_S = 50e-6
 # Buffers one writev takes at most (POSIX's IOV_MAX is at least 16; Linux's, 1,024).
 _IOV_MAX = 16
 # What the compiled encoder (recquery.c) writes of each record, by op: the arguments as a
@@ -363,7 +369,10 @@ class Recorder:
                 out.append(_frames(bodies))
                 bodies.clear()
 
-        for item in chunk:
+        clock = time.perf_counter
+        due = clock() + _HOLD_S
+        for i, item in enumerate(chunk):
+            chunk[i] = None  # freed once written, not the whole chunk at once (see _HOLD_S)
             if item.__class__ is _Run:
                 if self.stopped is None:
                     self._frame_run(item, bodies, framed, out)
@@ -379,8 +388,9 @@ class Recorder:
                 continue
             if self.stopped is None:  # stopped: what was queued after the stop is not written
                 bodies.append(self._encode(item))
-                if len(bodies) % _YIELD_EVERY == 0:
-                    time.sleep(0)  # the GIL to a request waiting for it, now (see _YIELD_EVERY)
+                if clock() >= due:
+                    time.sleep(0)  # the GIL to a request waiting for it, now (see _HOLD_S)
+                    due = clock() + _HOLD_S
         framed()
 
     def _frame_run(self, run: Any, bodies: list[bytes], framed: Any, out: list[bytes]) -> None:
