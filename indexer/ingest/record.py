@@ -162,7 +162,7 @@ class Recorder:
         How often the writer wakes to write what was queued.
     wake_every, wake_bytes:
         And it is woken every this many records queued (a query's record holds its
-        objects, encoded and freed faster while they are still in the caches), and when the batches applied and not written yet (copies, in the
+        objects), and when the batches applied and not written yet (copies, in the
         journal's runs) hold this many bytes (128 MiB: ~6·10^6 blocks in ``hashed`` mode;
         a larger burst is written while it is applied). Held in memory until written.
     defer_s:
@@ -175,7 +175,7 @@ class Recorder:
 
     def __init__(self, directory: str, *, max_bytes: int = 1 << 30, max_age_s: float = 0.0,
                  segment_bytes: int = 64 << 20, segment_s: float = 600.0, tokens: str = "hashed",
-                 flush_s: float = 0.2, max_pending: int = 1_000_000, wake_every: int = 128,
+                 flush_s: float = 0.2, max_pending: int = 1_000_000, wake_every: int = 1024,
                  wake_bytes: int = 128 << 20, defer_s: float = 1.0) -> None:
         if tokens not in MODES:
             raise ValueError(f"tokens must be one of {', '.join(MODES)}, not {tokens!r}")
