@@ -22,8 +22,10 @@ run); then *query* latency of ``/query`` (Dynamo's route, a match) and ``/v1/rou
 1,024 tokens, in slices alternating between the two servers.
 
 Runs alternate off/on (``--runs`` each, default 3); each figure is the median of the
-runs with their min-max spread, and the cost is (on - off) / off of the medians. Figures
-are reported, never asserted.
+runs with their min-max spread; the cost is (on - off) / off of the medians, and beside it
+the median (and range) of each run's own cost, its recorded figure against the same run's
+unrecorded one, which this VM's drift between runs moves less. Figures are reported,
+never asserted.
 
     .venv/bin/python benchmarks/bench_record.py [--runs 3] [--seqs 500] [--tokens hashed|full|none]
     .venv/bin/python benchmarks/bench_record.py --service [--entries 1000000] [--runs 3]
@@ -140,7 +142,8 @@ def service(args) -> None:
                             ("route_med", "/v1/route 1,024 tokens, median", "us"),
                             ("route_p99", "/v1/route 1,024 tokens, p99", "us")):
         rows.append(_row(figs["off"][key], figs["on"][key], what, unit, key == "ingest", 3 if key == "cpu" else 1))
-    print(table(["figure", "unit", "not recorded: median (min-max)", f"recorded ({args.tokens})", "cost"], rows,
+    print(table(["figure", "unit", "not recorded: median (min-max)", f"recorded ({args.tokens})", "cost",
+                 "cost per run: median (min to max)"], rows,
                 title=f"## serve, {w.entries:,} entries, {args.calls:,} calls a route, {args.runs} runs each"))
     print(f"\nrecorded {spread(written)['median'] / 1e6:.1f} MB a run (median)")
 
@@ -151,8 +154,14 @@ def _row(off_xs: list[float], on_xs: list[float], what: str, unit: str, higher_b
     if higher_better:
         cost = -cost  # lower throughput is the cost
     f = f".{digits}f"
+    # Paired: each run's on against the same run's off. This VM's speed drifts by 20-30%
+    # between runs (medians of one server's runs spread 170-250 us); a run's two servers
+    # share its drift, so the median of the per-run costs is the steadier figure.
+    sign = -1 if higher_better else 1
+    paired = spread([sign * (b - a) / a * 100 for a, b in zip(off_xs, on_xs, strict=True)])
     return [what, unit, f"{off['median']:{f}} ({off['min']:{f}}-{off['max']:{f}})",
-            f"{on['median']:{f}} ({on['min']:{f}}-{on['max']:{f}})", f"{cost:+.1f}%"]
+            f"{on['median']:{f}} ({on['min']:{f}}-{on['max']:{f}})", f"{cost:+.1f}%",
+            f"{paired['median']:+.1f}% ({paired['min']:+.1f} to {paired['max']:+.1f})"]
 
 
 def main() -> None:
@@ -207,7 +216,8 @@ def main() -> None:
                             ("route_med", "route 1,024 tokens, median", "us"),
                             ("route_p99", "route 1,024 tokens, p99", "us")):
         rows.append(_row(res[False][key], res[True][key], what, unit, key == "ingest"))
-    print(table(["figure", "unit", "not recorded: median (min-max)", f"recorded ({args.tokens})", "cost"], rows,
+    print(table(["figure", "unit", "not recorded: median (min-max)", f"recorded ({args.tokens})", "cost",
+                 "cost per run: median (min to max)"], rows,
                 title=f"## {len(items):,} batches, {args.queries:,} queries, {args.runs} runs each, alternating"))
     d = spread(extra["drain"])
     b = spread(extra["bytes"])
