@@ -22,6 +22,24 @@ put_le32(unsigned char *o, uint32_t v)
 #endif
 }
 
+/* Room in ``*buf`` (``*cap`` bytes, ``len`` used) for ``more`` bytes, grown by ``re``
+ * (a realloc) to ``first`` and then by doubling: 1, or 0 out of memory (nothing changed). */
+static inline int
+grow_room(unsigned char **buf, size_t *cap, size_t len, size_t more, size_t first, void *(*re)(void *, size_t))
+{
+    if (len + more <= *cap)
+        return 1;
+    size_t nc = *cap ? *cap : first;
+    while (nc < len + more)
+        nc *= 2;
+    unsigned char *nb = re(*buf, nc);
+    if (nb == NULL)
+        return 0;
+    *buf = nb;
+    *cap = nc;
+    return 1;
+}
+
 /* A growable byte buffer (a snapshot column, an HTTP body), PyMem-allocated. */
 typedef struct {
     unsigned char *buf;
@@ -32,19 +50,10 @@ typedef struct {
 static inline int
 col_room(Col *c, size_t more)
 {
-    if (c->len + more <= c->cap)
+    if (grow_room(&c->buf, &c->cap, c->len, more, 4096, PyMem_Realloc))
         return 0;
-    size_t nc = c->cap ? c->cap : 4096;
-    while (nc < c->len + more)
-        nc *= 2;
-    unsigned char *nb = PyMem_Realloc(c->buf, nc);
-    if (nb == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    c->buf = nb;
-    c->cap = nc;
-    return 0;
+    PyErr_NoMemory();
+    return -1;
 }
 
 #endif /* KVI_BYTES_H */

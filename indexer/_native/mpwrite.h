@@ -15,20 +15,12 @@ typedef struct {
     size_t len, cap;
 } Out;
 
+/* Room for ``more`` bytes past ``len``: doubles from 8 KiB. 0 out of memory (no error set:
+ * the caller may not hold the GIL). */
 static inline int
 room(Out *o, size_t more)
 {
-    if (o->len + more <= o->cap)
-        return 1;
-    size_t nc = o->cap ? o->cap : 8192;
-    while (nc < o->len + more)
-        nc *= 2;
-    unsigned char *nb = realloc(o->buf, nc);
-    if (nb == NULL)
-        return 0;
-    o->buf = nb;
-    o->cap = nc;
-    return 1;
+    return grow_room(&o->buf, &o->cap, o->len, more, 8192, realloc);
 }
 
 static inline int
@@ -52,11 +44,19 @@ put_be(Out *o, unsigned char tag, uint64_t v, int w)
 }
 
 /* msgpack, smallest encodings (what msgspec writes; any encoding reads back the same). */
+
+/* An array's or a map's head: its fix form (``fix`` | n) under 16, else 16 or 32 bits. */
+static inline int
+w_count(Out *o, uint32_t n, unsigned char fix, unsigned char t16, unsigned char t32)
+{
+    unsigned char c = (unsigned char)(fix | n);
+    return n < 16 ? put(o, &c, 1) : n < 65536 ? put_be(o, t16, n, 2) : put_be(o, t32, n, 4);
+}
+
 static inline int
 w_arr(Out *o, uint32_t n)
 {
-    unsigned char c = (unsigned char)(0x90 | n);
-    return n < 16 ? put(o, &c, 1) : n < 65536 ? put_be(o, 0xdc, n, 2) : put_be(o, 0xdd, n, 4);
+    return w_count(o, n, 0x90, 0xdc, 0xdd);
 }
 
 static inline int
@@ -108,8 +108,7 @@ w_bin_head(Out *o, size_t n)
 static inline int
 w_map(Out *o, uint32_t n)
 {
-    unsigned char c = (unsigned char)(0x80 | n);
-    return n < 16 ? put(o, &c, 1) : n < 65536 ? put_be(o, 0xde, n, 2) : put_be(o, 0xdf, n, 4);
+    return w_count(o, n, 0x80, 0xde, 0xdf);
 }
 
 static inline int
