@@ -344,9 +344,10 @@ class Recorder:
         j.seal()  # what was applied since the last run went (a timer's wake)
         q = j.records
         out: list[bytes] = []  # frames not written yet: one write a drain (or each _WRITE_BYTES)
+        chunk: list[Any] = []
         try:
             while q:
-                chunk: list[tuple[Any, ...]] = []
+                chunk = []
                 while q and len(chunk) < _CHUNK:
                     chunk.append(q.popleft())
                 self._frame_chunk(chunk, out)
@@ -357,6 +358,9 @@ class Recorder:
                 self._stop_recording("overflow", f"the writer fell {self._max_pending} records behind")
         except OSError as e:
             self._stop_recording("disk_full" if e.errno == errno.ENOSPC else "io_error", str(e))
+            for item in chunk:  # taken off the queue, not written: a flush waiting on one returns now
+                if item is not None and item.__class__ is not _Run and item[0] == "flush":
+                    item[1].set()
 
     def _frame_chunk(self, chunk: list[Any], out: list[bytes]) -> None:
         """Frame ``chunk`` (records, runs of applies and markers, in order) onto ``out``; a

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 
 import msgspec
@@ -243,7 +244,12 @@ def test_unwritable_directory_stops_recording_and_index_keeps_serving(tmp_path):
     os.rmdir(tmp_path / "rec")
     (tmp_path / "rec").write_text("a file where the directory was")
     rec.rotate()  # the next segment cannot be made
-    rec.flush()
+    # The flush that meets the failure returns once the recording stopped (it waited out
+    # its 10 s timeout when the failing base and the flush were taken in one chunk).
+    flusher = threading.Thread(target=rec.flush)
+    flusher.start()
+    flusher.join(5)
+    assert not flusher.is_alive()
     assert rec.stopped == "io_error" and rec.stats()["errors"] == {"io_error": 1}
     assert idx.journal is None
     assert idx.match([1] * 16).best is None  # still answers
