@@ -357,10 +357,7 @@ class Recorder:
             if j.overflowed and self.stopped is None:
                 self._stop_recording("overflow", f"the writer fell {self._max_pending} records behind")
         except OSError as e:
-            self._stop_recording("disk_full" if e.errno == errno.ENOSPC else "io_error", str(e))
-            for item in chunk:  # taken off the queue, not written: a flush waiting on one returns now
-                if item is not None and item.__class__ is not _Run and item[0] == "flush":
-                    item[1].set()
+            self._stop_recording("disk_full" if e.errno == errno.ENOSPC else "io_error", str(e), chunk)
 
     def _frame_chunk(self, chunk: list[Any], out: list[bytes]) -> None:
         """Frame ``chunk`` (records, runs of applies and markers, in order) onto ``out``; a
@@ -511,8 +508,9 @@ class Recorder:
             except OSError as e:
                 self._count_error("io_error", str(e))
 
-    def _stop_recording(self, reason: str, detail: str) -> None:
-        """Stop for good (the index keeps serving): detach, count, log."""
+    def _stop_recording(self, reason: str, detail: str, taken: list[Any] | None = None) -> None:
+        """Stop for good (the index keeps serving): detach, count, log. ``taken``: records the
+        writer took off the queue and did not write."""
         self.stopped = reason
         self._count_error(reason, detail)
         log.error("recording to %s stopped (%s): %s; the service goes on without it", self.directory, reason, detail)
@@ -520,10 +518,9 @@ class Recorder:
         j = self.journal
         if j is not None:
             j.stock(0)  # the runs' buffers go back
-            q = j.records
-            while q:  # what is queued is not written; a flush waiting on it is told so
-                item = q.popleft()
-                if item.__class__ is not _Run and item[0] == "flush":
+            q = j.records  # what is in it now is not written; a flush waiting on it returns
+            for item in (*(taken or ()), *(q.popleft() for _ in range(len(q)))):
+                if item is not None and item.__class__ is not _Run and item[0] == "flush":
                     item[1].set()
         try:
             self._close_file()
