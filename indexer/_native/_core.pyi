@@ -353,6 +353,8 @@ class JournalCore:
     run_bytes: int
     strip: bool
     seed: int
+    encode: bool
+    raised: type | None
 
     def __init__(self, raw: Callable[[], float], max_pending: int = 1000000) -> None: ...
     def run(self, op: int, fn: Callable[..., Any], args: tuple[Any, ...], /) -> Any:

@@ -427,6 +427,15 @@ child_of(Node *parent, uint64_t k)
     return NULL;
 }
 
+/* A journal record's body, encode_record's (recquery.c), framed or not: bytes, None or NULL. */
+KVI_HIDDEN PyObject *kvi_encode_record(PyObject *item, int kind, int hashed, uint64_t seed, PyObject *raised,
+                                       int framed);
+/* A record frame's checksum: the low 32 bits of the body's xxh3-64, seed 0 (recframe.c). */
+KVI_HIDDEN uint32_t kvi_rec_checksum(const unsigned char *p, size_t n);
+/* The kinds it writes of the queries' records (recquery.c's, record.py's _KINDS). */
+#define KVI_REC_MATCH_PLAIN 3
+#define KVI_REC_ROUTE 4
+
 /* The functions each file adds to the module (_core.c puts them in). */
 extern KVI_HIDDEN PyMethodDef kvi_tree_methods[];
 extern KVI_HIDDEN PyMethodDef kvi_keys_methods[];

@@ -35,6 +35,8 @@ typedef struct {
     Py_ssize_t sealed;    /* runs queued and not released yet */
     char strip;           /* lay plain GPU stores with their keys for token ids (hashed mode) */
     unsigned long long seed; /* the keys' seed (wire/keys.py's KEY_SEED) */
+    char encode;          /* the queries' records queued encoded (queue_call says why) */
+    PyObject *raised;     /* journal.Raised, for the encoder */
 } JournalCore;
 
 /* A run's buffer: a run is queued when the next apply does not fit (or one bigger than

@@ -34,8 +34,8 @@
 /* A frame's checksum (recfile.py, KVIREC2): the low 32 bits of the body's xxh3-64,
  * seed 0. It was zlib's crc32 (KVIREC1), a quarter of this file's time per batch; xxh3
  * checks a 1.3 KB body ~10x faster, and Python reads it with the xxhash package. */
-static uint32_t
-checksum(const unsigned char *p, size_t n)
+KVI_HIDDEN uint32_t
+kvi_rec_checksum(const unsigned char *p, size_t n)
 {
     return (uint32_t)kvi_xxh3_64(p, n, 0);
 }
@@ -145,7 +145,7 @@ frame_apply(const ARec *a, int hashed, uint64_t seed, Out *out, Out *pl, Out *sc
         return -1;
     size_t n = out->len - at - 8;
     put_le32(out->buf + at, (uint32_t)n);
-    put_le32(out->buf + at + 4, checksum(out->buf + at + 8, n));
+    put_le32(out->buf + at + 4, kvi_rec_checksum(out->buf + at + 8, n));
     return 1;
 }
 
@@ -277,7 +277,7 @@ frame_many(PyObject *Py_UNUSED(mod), PyObject *bodies)
         PyObject *b = PyList_GET_ITEM(bodies, i);
         size_t len = (size_t)PyBytes_GET_SIZE(b);
         put_le32(o, (uint32_t)len);
-        put_le32(o + 4, checksum((const unsigned char *)PyBytes_AS_STRING(b), len));
+        put_le32(o + 4, kvi_rec_checksum((const unsigned char *)PyBytes_AS_STRING(b), len));
         memcpy(o + 8, PyBytes_AS_STRING(b), len);
         o += 8 + len;
     }

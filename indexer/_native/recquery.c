@@ -21,7 +21,7 @@
 #define MAX_KEPT_ANSWER 8192 /* recops.MAX_KEPT_ANSWER: an answer kept whole up to this size */
 #define DEPTH_MAX 32
 
-enum { K_NOTE, K_GENERIC, K_GENERIC_NONE, K_MATCH_PLAIN, K_ROUTE };
+enum { K_NOTE, K_GENERIC, K_GENERIC_NONE, K_MATCH_PLAIN = KVI_REC_MATCH_PLAIN, K_ROUTE = KVI_REC_ROUTE };
 
 /* ------------------------------------------------------------------ values */
 
@@ -450,6 +450,55 @@ PyDoc_STRVAR(encode_record_doc,
 "byte the Python encoder's (record.py); None: a shape left to it. `hashed`: prompts\n"
 "as block keys (seed `seed`), else as their length. `raised`: journal.Raised.");
 
+/* ``body`` framed: its length and checksum (recframe.c's), then itself. */
+static PyObject *
+frame_one(const Out *body)
+{
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)body->len + 8);
+    if (out != NULL) {
+        unsigned char *p = (unsigned char *)PyBytes_AS_STRING(out);
+        put_le32(p, (uint32_t)body->len);
+        put_le32(p + 4, kvi_rec_checksum(body->buf, body->len));
+        memcpy(p + 8, body->buf, body->len);
+    }
+    return out;
+}
+
+/* The body of ``item`` as encode_record makes it: bytes, None (a shape left to Python), or
+ * NULL with an error set; ``framed``: as recfile.frame frames it (length, checksum, body). Called by the writer and, for the queries' records, by the
+ * journal as it queues them (journal.c), both with the GIL held. */
+KVI_HIDDEN PyObject *
+kvi_encode_record(PyObject *item, int kind, int hashed, uint64_t seed, PyObject *raised, int framed)
+{
+    /* Buffers kept between calls (the GIL held; no Python runs while they are in use but
+     * attribute reads of the index's own types; a nested call gets buffers of its own). */
+    static Out keep[3];
+    static int busy;
+    Out local[3] = {{0}};
+    Out *o = busy ? local : keep;
+    int mine = !busy;
+    busy = 1;
+    for (int i = 0; i < 3; i++)
+        o[i].len = 0;
+    int r = w_record(&o[0], &o[1], &o[2], item, kind, hashed, seed, raised);
+    PyObject *out = r > 0 ? framed ? frame_one(&o[0]) : PyBytes_FromStringAndSize((const char *)o[0].buf,
+                                                                                   (Py_ssize_t)o[0].len)
+                  : r == 0 ? (Py_INCREF(Py_None), Py_None) : (PyErr_Occurred() ? NULL : PyErr_NoMemory());
+    if (mine) {
+        busy = 0;
+        for (int i = 0; i < 3; i++)
+            if (o[i].cap > (1u << 20)) { /* a huge answer's buffer is not kept */
+                free(o[i].buf);
+                o[i].buf = NULL;
+                o[i].cap = 0;
+            }
+    }
+    else
+        for (int i = 0; i < 3; i++)
+            free(local[i].buf);
+    return out;
+}
+
 static PyObject *
 encode_record(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
 {
@@ -465,32 +514,7 @@ encode_record(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
             PyErr_SetString(PyExc_OverflowError, "seed must be in [0, 2**64)");
         return NULL;
     }
-    /* The writer's buffers, kept (one writer at a time: the GIL, and no Python runs
-     * while they are in use but attribute reads of the index's own types). */
-    static Out keep[3];
-    static int busy;
-    Out local[3] = {{0}};
-    Out *o = busy ? local : keep;
-    int mine = !busy;
-    busy = 1;
-    for (int i = 0; i < 3; i++)
-        o[i].len = 0;
-    int r = w_record(&o[0], &o[1], &o[2], args[0], (int)kind, hashed, seed, args[4]);
-    PyObject *out = r > 0 ? PyBytes_FromStringAndSize((const char *)o[0].buf, (Py_ssize_t)o[0].len)
-                  : r == 0 ? (Py_INCREF(Py_None), Py_None) : (PyErr_Occurred() ? NULL : PyErr_NoMemory());
-    if (mine) {
-        busy = 0;
-        for (int i = 0; i < 3; i++)
-            if (o[i].cap > (1u << 20)) { /* a huge answer's buffer is not kept */
-                free(o[i].buf);
-                o[i].buf = NULL;
-                o[i].cap = 0;
-            }
-    }
-    else
-        for (int i = 0; i < 3; i++)
-            free(local[i].buf);
-    return out;
+    return kvi_encode_record(args[0], (int)kind, hashed, seed, args[4], 0);
 }
 
 KVI_HIDDEN PyMethodDef kvi_recquery_methods[] = {

@@ -15,6 +15,7 @@ from indexer import PrefixIndex
 from indexer._native import core
 from indexer.ingest import record as R
 from indexer.ingest.record import Recorder
+from indexer.ingest.recfile import frame
 from indexer.ingest.recops import encode_call, encode_result
 from indexer.producer.events import encode_batch
 from indexer.query.route import Load
@@ -53,6 +54,7 @@ def _fleet(tmp_path) -> tuple[PrefixIndex, Recorder]:
     idx.mark_stale("e3", 0, "gap")
     rec = Recorder(str(tmp_path), tokens="hashed")
     rec.attach(idx)
+    rec.journal.encode = False  # the records queued as tuples, for the encoder under test
     return idx, rec
 
 
@@ -100,6 +102,7 @@ def test_answers_past_the_kept_size_keep_their_digest_only(tmp_path):
         idx.apply_sequenced(f"engine-{w:03d}", encode_batch([store(t, BS, 0, 1 + w % 8)]), seq=0)
     rec = Recorder(str(tmp_path), tokens="hashed")
     rec.attach(idx)
+    rec.journal.encode = False
     idx.match_plain(tokens_to_bytes(t), "default")
     idx.route_body(tokens_to_bytes(t), model="default", load={}, link=None)
     items = _queued(rec)
@@ -162,3 +165,50 @@ def test_the_writer_counts_what_it_writes_either_way(tmp_path):
     slow = [rec._encode(it) for it in items]
     assert fast == slow
     assert counts == (3, 2) and (rec.records, rec.answers) == (6, 4)
+
+
+def _calls(idx: PrefixIndex) -> None:
+    prompt = tokens_to_bytes(toks(0, 40, BS))
+    link = {(f"e{w}", 1 if w == 5 else 0): (w != 2, True) for w in range(6)}
+    idx.match_plain(prompt, "default")
+    idx.match_plain(tokens_to_bytes(toks(5000, 9, BS)), "default")  # a miss
+    r = idx.route_body(prompt, model="default", load={"e1/0": Load(400, 3)}, link=link, max_tokens=9)
+    idx.route_done(r.request_id)
+    idx.route(toks(0, 40, BS), max_tokens=8)  # a ranking of dicts: left to the writer
+    with pytest.raises(KeyError):
+        idx.match_plain(prompt, "no-such-model")  # raised: left to the writer
+
+
+@pytest.mark.parametrize("mode", ["hashed", "none"])
+def test_queries_are_queued_encoded_as_the_writer_would(tmp_path, mode):
+    """With the compiled encoder, a recording's match_plain and route records are encoded
+    and framed on the query's thread as they are queued (journal.c's ``encoded``): the same body the
+    Python encoder makes of the tuple the writer would have had, but for the wall clock.
+    What it leaves to Python is queued as a tuple; the writer counts both alike."""
+    queues = []
+    for encode in (True, False):
+        idx, rec = _fleet(tmp_path / str(encode))
+        rec.tokens = mode
+        rec.journal.strip = mode == "hashed"
+        rec.journal.encode = encode
+        idx.inflight._prefix = "0d0d0d0d-"  # the request ids alike in both
+        _calls(idx)
+        rec.journal.seal()
+        queues.append((rec, [r for r in rec.journal.records if r[0] not in ("base", "flush")]))
+    (rec, fast), (_, slow) = queues
+    assert [type(x).__name__ for x in fast] == ["bytes", "bytes", "bytes", "tuple", "tuple", "tuple"]
+    assert all(isinstance(x, tuple) for x in slow)
+
+    def unwalled(body: bytes) -> list:
+        rec_ = msgspec.msgpack.decode(body)
+        rec_[1] = None
+        return rec_
+
+    for got, it in zip(fast, slow):
+        if isinstance(got, bytes):
+            assert frame(got[8:]) == got  # framed: its length and checksum, then the body
+            assert unwalled(got[8:]) == unwalled(_reference(it, mode)), it[0]
+    rec.flush()  # no writer thread: drained here
+    assert (rec.records, rec.answers) == (6, 4)  # the three encoded, route_done, the dict route, the raised one
+    for r, _ in queues:
+        r.stop()
