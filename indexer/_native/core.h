@@ -312,6 +312,23 @@ map_new(void)
 KVI_HIDDEN uint64_t kvi_xxh3_64(const void *data, size_t len, uint64_t seed);
 KVI_HIDDEN uint64_t kvi_xxh64(const void *data, size_t len, uint64_t seed);
 
+/* The key memo: the block keys block_keys made of one prompt (one block size, one seed,
+ * blocks 0..m-1, made in one call or in contiguous chunks) while a recording's journaled
+ * query runs, so the record's encoder (recquery.c's w_prompt, hashed mode) writes them
+ * without hashing the prompt a second time (~60% of encoding a 1,024-token query's
+ * record). Armed by the journal around the call (journal.c) and emptied after; ``buf``
+ * is held, so an object at its address is that prompt. The GIL guards it. */
+typedef struct {
+    int armed;
+    PyObject *buf;        /* the prompt's bytes (a reference held), or NULL */
+    Py_ssize_t bs, m, cap;
+    uint64_t seed;
+    uint64_t *keys;       /* m keys, native order */
+} KeyMemo;
+extern KVI_HIDDEN KeyMemo kvi_key_memo;
+/* Arm the memo (on) or disarm and empty it (0). */
+KVI_HIDDEN void kvi_key_memo_arm(int on);
+
 /* u64map.c. kvi_map_put stores (k, v) taking a new reference and replaces an existing
  * value; kvi_map_take removes slot i and returns its value (the caller owns it);
  * kvi_map_store and kvi_map_pop take any key (a non-u64 one goes to the side dict);

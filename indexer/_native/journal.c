@@ -397,9 +397,15 @@ jc_run(JournalCore *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t base = self->nt;
     char prev = self->active;
     self->active = 1;
+    int memo = self->encode && self->strip && !kvi_key_memo.armed; /* the keys the query makes, for encoded() */
+    if (memo)
+        kvi_key_memo_arm(1);
     PyObject *r = PyObject_Call(args[1], args[2], NULL);
     self->active = prev;
-    return queue_call(self, args[0], args[2], r, base);
+    r = queue_call(self, args[0], args[2], r, base);
+    if (memo)
+        kvi_key_memo_arm(0);
+    return r;
 }
 
 static PyObject *

@@ -37,6 +37,48 @@ kvi_xxh64(const void *data, size_t len, uint64_t seed)
     return XXH64(data, len, seed);
 }
 
+KVI_HIDDEN KeyMemo kvi_key_memo;
+
+KVI_HIDDEN void
+kvi_key_memo_arm(int on)
+{
+    KeyMemo *km = &kvi_key_memo;
+    km->armed = on;
+    km->m = 0;
+    Py_CLEAR(km->buf);
+}
+
+/* Where block_keys writes keys start..n-1 of ``buf`` to the memo (indexed from 0), or
+ * NULL: not armed, or not the blocks after those it holds (then it is left as it is). */
+static uint64_t *
+memo_room(PyObject *buf, Py_ssize_t bs, uint64_t seed, Py_ssize_t start, Py_ssize_t n)
+{
+    KeyMemo *km = &kvi_key_memo;
+    if (!km->armed || !PyBytes_CheckExact(buf) || n <= start)
+        return NULL;
+    if (start == 0) {
+        Py_INCREF(buf);
+        Py_XSETREF(km->buf, buf);
+        km->bs = bs;
+        km->seed = seed;
+        km->m = 0;
+    }
+    else if (km->buf != buf || km->bs != bs || km->seed != seed || km->m != start)
+        return NULL;
+    if (n > km->cap) {
+        Py_ssize_t cap = n > 2 * km->cap ? n : 2 * km->cap;
+        uint64_t *k = PyMem_Realloc(km->keys, (size_t)cap * sizeof(uint64_t));
+        if (k == NULL) { /* no memo: the encoder hashes */
+            kvi_key_memo_arm(1);
+            return NULL;
+        }
+        km->keys = k;
+        km->cap = cap;
+    }
+    km->m = n; /* the caller fills start..n-1 or fails (a seed error: none, no memo) */
+    return km->keys;
+}
+
 PyDoc_STRVAR(block_keys_doc,
 "block_keys(buf, block_size, seed, limit=-1, start=0, packed=False) -> list[int] | bytes\n\n"
 "xxh3-64 of each full block `start` .. `limit` (-1: all) of `buf`, little-endian\n"
@@ -71,6 +113,7 @@ block_keys(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     uint64_t seed = 0;
     PyObject *seeds = NULL; /* a sequence: one seed per block */
+    uint64_t *mk = NULL;    /* where the keys go in the key memo too, or NULL */
     if (PyLong_Check(args[2])) {
         if (as_u64(args[2], &seed) <= 0) {
             if (!PyErr_Occurred())
@@ -103,6 +146,7 @@ block_keys(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
     if (out == NULL)
         goto fail;
     const char *p = (const char *)view.buf;
+    mk = seeds == NULL ? memo_room(args[0], bs, seed, start, n) : NULL;
     for (Py_ssize_t j = start; j < n; j++) {
         uint64_t sj = seed;
         if (seeds != NULL && as_u64(PySequence_Fast_GET_ITEM(seeds, j), &sj) <= 0) {
@@ -112,6 +156,8 @@ block_keys(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
             goto fail;
         }
         uint64_t key = XXH3_64bits_withSeed(p + (size_t)j * step, step, sj);
+        if (mk != NULL)
+            mk[j] = key;
         if (packed) {
             put_le64((unsigned char *)PyBytes_AS_STRING(out) + 8 * (j - start), key);
             continue;
@@ -127,6 +173,8 @@ block_keys(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
     Py_XDECREF(seeds);
     return out;
 fail:
+    if (mk != NULL) /* keys start..n-1 not all made */
+        kvi_key_memo.m = start;
     PyBuffer_Release(&view);
     Py_XDECREF(seeds);
     return NULL;

@@ -139,7 +139,14 @@ w_prompt(Out *o, PyObject *buf, PyObject *sizes, int hashed, uint64_t seed)
         size_t step = (size_t)bs * 4;
         if (!w_int(o, bs) || !w_bin_head(o, (size_t)n * 8) || !room(o, (size_t)n * 8))
             return -1;
-        for (Py_ssize_t j = 0; j < n; j++) {
+        const KeyMemo *km = &kvi_key_memo; /* the keys the query made, if it made them */
+        Py_ssize_t j = 0;
+        if (km->buf == buf && km->bs == bs && km->seed == seed)
+            for (; j < n && j < km->m; j++) {
+                put_le64(o->buf + o->len, km->keys[j]);
+                o->len += 8;
+            }
+        for (; j < n; j++) {
             put_le64(o->buf + o->len, kvi_xxh3_64(p + (size_t)j * step, step, seed));
             o->len += 8;
         }

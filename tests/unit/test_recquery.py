@@ -174,6 +174,12 @@ def _calls(idx: PrefixIndex) -> None:
     idx.match_plain(tokens_to_bytes(toks(5000, 9, BS)), "default")  # a miss
     r = idx.route_body(prompt, model="default", load={"e1/0": Load(400, 3)}, link=link, max_tokens=9)
     idx.route_done(r.request_id)
+    # Long prompts, whose keys the walk hashes in chunks (64, then 512 blocks) as it goes
+    # (the key memo, keys.c): one that misses after 40 blocks, one that misses at once.
+    long = toks(0, 40, BS) + toks(7000, 600, BS)
+    idx.match_plain(tokens_to_bytes(long), "default")
+    idx.route_body(tokens_to_bytes(long), model="default", load={}, link=None)
+    idx.route_body(tokens_to_bytes(toks(9000, 700, BS)), model="default", load={}, link=None)
     idx.route(toks(0, 40, BS), max_tokens=8)  # a ranking of dicts: left to the writer
     with pytest.raises(KeyError):
         idx.match_plain(prompt, "no-such-model")  # raised: left to the writer
@@ -196,7 +202,7 @@ def test_queries_are_queued_encoded_as_the_writer_would(tmp_path, mode):
         rec.journal.seal()
         queues.append((rec, [r for r in rec.journal.records if r[0] not in ("base", "flush")]))
     (rec, fast), (_, slow) = queues
-    assert [type(x).__name__ for x in fast] == ["bytes", "bytes", "bytes", "tuple", "tuple", "tuple"]
+    assert [type(x).__name__ for x in fast] == ["bytes"] * 3 + ["tuple"] + ["bytes"] * 3 + ["tuple"] * 2
     assert all(isinstance(x, tuple) for x in slow)
 
     def unwalled(body: bytes) -> list:
@@ -209,6 +215,6 @@ def test_queries_are_queued_encoded_as_the_writer_would(tmp_path, mode):
             assert frame(got[8:]) == got  # framed: its length and checksum, then the body
             assert unwalled(got[8:]) == unwalled(_reference(it, mode)), it[0]
     rec.flush()  # no writer thread: drained here
-    assert (rec.records, rec.answers) == (6, 4)  # the three encoded, route_done, the dict route, the raised one
+    assert (rec.records, rec.answers) == (9, 7)  # six encoded, route_done, the dict route, the raised one
     for r, _ in queues:
         r.stop()
