@@ -355,6 +355,7 @@ class JournalCore:
     seed: int
     encode: bool
     raised: type | None
+    kinds: bytes | None
 
     def __init__(self, raw: Callable[[], float], max_pending: int = 1000000) -> None: ...
     def run(self, op: int, fn: Callable[..., Any], args: tuple[Any, ...], /) -> Any:
@@ -374,11 +375,15 @@ class JournalCore:
 
 
 class ApplyRun:
-    """Applies a journal laid out in one buffer (applyrun.c)."""
+    """Records a journal laid out in one buffer (applyrun.c): applies, and records laid
+    already framed."""
+
+    answers: int  # the queries' answers among the records laid framed
 
     def __len__(self) -> int: ...
-    def item(self, i: int, /) -> tuple[Any, ...]:
-        """Record ``i`` as the journal's tuple ``(op, wall, args, result, times)``."""
+    def item(self, i: int, /) -> tuple[Any, ...] | bytes:
+        """Record ``i`` as the journal's tuple ``(op, wall, args, result, times)``, or its
+        frame when it was laid framed."""
 
 
 def frame_run(run: ApplyRun, start: int, hashed: bool, seed: int, fd: int, /) -> tuple[int, int]:

@@ -12,10 +12,14 @@
  * (freed at once, so the next one reuses warm memory), and the writer frames a whole run
  * without the GIL (recframe.c's frame_run) and takes the GIL once a run.
  *
+ * The other journaled calls' records are laid in the run too, already encoded and framed
+ * (kvi_lay_frame, from journal.c's encoded): the payload is the frame, written as it is.
+ *
  * From Python a run is a sequence of its records' count: ``len(run)``; ``run.item(i)``
  * is record i as the journal's tuple ``(op, wall, args, result, times)``, for what the
  * compiled framer leaves to the Python encoder (never a record laid stripped, whose
- * payload is already as ``hashed`` mode keeps it: that is the payload it gives). */
+ * payload is already as ``hashed`` mode keeps it: that is the payload it gives), or a
+ * query's frame (bytes). */
 #include "journal.h"
 
 #include <sys/mman.h>
@@ -32,6 +36,8 @@
 KVI_HIDDEN unsigned char *
 kvi_run_buf(size_t cap)
 {
+    if (cap <= SMALL_RUN_MAX)
+        return malloc(cap);
     size_t span = cap + HUGE_PAGE;
     unsigned char *m = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (m == MAP_FAILED)
@@ -52,7 +58,9 @@ kvi_run_buf(size_t cap)
 KVI_HIDDEN void
 kvi_run_buf_free(unsigned char *buf, size_t cap)
 {
-    if (buf != NULL)
+    if (buf != NULL && cap <= SMALL_RUN_MAX)
+        free(buf);
+    else if (buf != NULL)
         munmap(buf, (cap + 4095) & ~(size_t)4095);
 }
 
@@ -94,14 +102,34 @@ static ApplyRun *
 open_run(JournalCore *self, size_t need)
 {
     ApplyRun *run = self->open;
-    if (run != NULL && run->len + need > run->cap && kvi_seal(self) < 0)
-        return NULL;
+    if (run != NULL && run->len + need > run->cap) {
+        size_t want = run->len + need, cap = 2 * run->cap > want ? 2 * run->cap : want;
+        if (run->cap < SMALL_RUN_MAX && want <= SMALL_RUN_MAX) { /* a small run grows */
+            cap = cap < SMALL_RUN_MAX ? cap : SMALL_RUN_MAX;
+            unsigned char *nb = realloc(run->buf, cap);
+            if (nb == NULL) {
+                PyErr_NoMemory();
+                return NULL;
+            }
+            run->buf = nb;
+            run->cap = cap;
+            return run;
+        }
+        if (kvi_seal(self) < 0)
+            return NULL;
+        self->burst = 1;
+    }
     run = self->open;
     if (run == NULL) {
         run = PyObject_GC_New(ApplyRun, &kvi_ApplyRunType);
         if (run == NULL)
             return NULL;
+        /* A kept buffer; else one in huge pages while runs fill up (a burst); else a small
+         * one that grows: a run sealed after a record or two (a record queued apart is
+         * queued after the open run) cost a 4 MiB mapping and its first fault, ~0.2 ms. */
         size_t cap = need > RUN_BYTES ? need : RUN_BYTES;
+        if (cap == RUN_BYTES && self->nspare == 0 && !self->burst)
+            cap = need > SMALL_RUN ? need : SMALL_RUN;
         unsigned char *buf = cap == RUN_BYTES && self->nspare > 0 ? self->spare[--self->nspare] : kvi_run_buf(cap);
         if (buf == NULL) {
             PyObject_GC_Del(run);
@@ -113,7 +141,7 @@ open_run(JournalCore *self, size_t need)
         run->buf = buf;
         run->cap = cap;
         run->len = 0;
-        run->count = run->at_i = 0;
+        run->count = run->at_i = run->answers = 0;
         run->at_off = 0;
         PyObject_GC_Track(run);
         self->open = run;
@@ -236,6 +264,31 @@ kvi_lay_apply(JournalCore *self, long op, PyObject *const *a, PyObject *r, Py_ss
 }
 
 KVI_HIDDEN int
+kvi_lay_frame(JournalCore *self, const unsigned char *frame, size_t n, int answer)
+{
+    size_t need = pad8(sizeof(ARec) + n);
+    ApplyRun *run = need <= UINT32_MAX ? open_run(self, need) : NULL;
+    if (run == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        return -1;
+    }
+    ARec h;
+    memset(&h, 0, sizeof h);
+    h.size = (uint32_t)need;
+    h.op = AREC_FRAMED;
+    h.payload_n = n;
+    memcpy(run->buf + run->len, &h, sizeof h);
+    memcpy(run->buf + run->len + sizeof h, frame, n);
+    run->len += need;
+    self->run_bytes += (Py_ssize_t)need;
+    run->count++;
+    run->answers += answer;
+    self->in_runs++;
+    return 1;
+}
+
+KVI_HIDDEN int
 kvi_journal_stock(JournalCore *self, Py_ssize_t bytes)
 {
     Py_ssize_t n = bytes <= 0 ? 0 : (bytes + RUN_BYTES - 1) / RUN_BYTES;
@@ -308,6 +361,8 @@ ar_item(ApplyRun *self, PyObject *arg)
         return NULL;
     }
     const ARec *r = kvi_run_rec(self, i);
+    if (r->op == AREC_FRAMED)
+        return PyBytes_FromStringAndSize((const char *)AREC_PAYLOAD(r), (Py_ssize_t)r->payload_n);
     PyObject *times = PyTuple_New(r->nt);
     if (times == NULL)
         return NULL;
@@ -355,9 +410,15 @@ fail:
     return NULL;
 }
 
+static PyMemberDef ar_members[] = {
+    {"answers", T_PYSSIZET, offsetof(ApplyRun, answers), READONLY, "the queries' answers among the records laid framed"},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyMethodDef ar_methods[] = {
     {"item", (PyCFunction)ar_item, METH_O,
-     "item(i) -> record i as the journal's tuple (op, wall, args, result, times)."},
+     "item(i) -> record i as the journal's tuple (op, wall, args, result, times), or its frame\n"
+     "(bytes) when it was laid framed."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -375,5 +436,6 @@ KVI_HIDDEN PyTypeObject kvi_ApplyRunType = {
     .tp_traverse = (traverseproc)ar_traverse,
     .tp_clear = (inquiry)ar_clear,
     .tp_methods = ar_methods,
+    .tp_members = ar_members,
     .tp_as_sequence = &ar_as_sequence,
 };

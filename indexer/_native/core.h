@@ -81,6 +81,10 @@ typedef struct {
     double wall, ts;
 } ARec;
 
+/* The op of a record laid already framed (journal.c's encoded); its payload is the
+ * frame, nothing else is set. The journal's ops are 1 and up. */
+#define AREC_FRAMED 0
+
 #define AREC_TIMES(r) ((const double *)((const unsigned char *)(r) + sizeof(ARec)))
 #define AREC_ENGINE(r) ((const char *)(AREC_TIMES(r) + (r)->nt))
 #define AREC_MODEL(r) (AREC_ENGINE(r) + (r)->engine_n)
@@ -93,6 +97,7 @@ typedef struct {
     unsigned char *buf;  /* the C allocator's */
     size_t len, cap;
     Py_ssize_t count;    /* records in buf */
+    Py_ssize_t answers;  /* the queries' answers among the records laid framed (op AREC_FRAMED) */
     Py_ssize_t at_i;     /* a cursor: record at_i begins at byte at_off */
     size_t at_off;
 } ApplyRun;
@@ -444,9 +449,6 @@ child_of(Node *parent, uint64_t k)
     return NULL;
 }
 
-/* A journal record's body, encode_record's (recquery.c), framed or not: bytes, None or NULL. */
-KVI_HIDDEN PyObject *kvi_encode_record(PyObject *item, int kind, int hashed, uint64_t seed, PyObject *raised,
-                                       int framed);
 /* A record frame's checksum: the low 32 bits of the body's xxh3-64, seed 0 (recframe.c). */
 KVI_HIDDEN uint32_t kvi_rec_checksum(const unsigned char *p, size_t n);
 /* The kinds it writes of the queries' records (recquery.c's, record.py's _KINDS). */

@@ -62,6 +62,7 @@ jc_traverse(JournalCore *self, visitproc visit, void *arg)
     Py_VISIT(self->wake);
     Py_VISIT(self->open);
     Py_VISIT(self->raised);
+    Py_VISIT(self->kinds);
     return 0;
 }
 
@@ -75,6 +76,7 @@ jc_clear(JournalCore *self)
     Py_CLEAR(self->wake);
     Py_CLEAR(self->open);
     Py_CLEAR(self->raised);
+    Py_CLEAR(self->kinds);
     return 0;
 }
 
@@ -200,6 +202,7 @@ kvi_seal(JournalCore *self)
         return 0;
     PyObject *run = (PyObject *)self->open;
     self->open = NULL;
+    self->burst = 0; /* sealed before it was full (open_run says when it was) */
     PyObject *res = PyObject_CallOneArg(self->append, run);
     if (res != NULL)
         self->sealed++;
@@ -266,32 +269,40 @@ counted(JournalCore *self, int run)
     return 0;
 }
 
-/* A query's record (``encode``: MATCH_PLAIN's and ROUTE's with an answer) encoded and
- * framed as it is queued, on the query's thread: bytes, or NULL (queued as it is, for
- * the writer).
+/* A call's record (``encode``, of an op ``kinds`` names) encoded, framed and laid in the
+ * open run on the calling thread, as applies are: 1 laid; 0 not (queued as a tuple for
+ * the writer, as before).
  *
- * Why here and not on the writer: the writer encodes with the GIL held, ~2.5-7 us a
- * record and ~1.6 us more to free its objects, cold from the queue, and a request that
- * wants the GIL meanwhile waits for the writer's next hand-over. With many queries a
- * second that was the service's p99 +15-35% while recorded (bench_record.py --service).
- * Here the answer is warm, its objects are freed with the caller's, and the writer
- * only hands the frames to one writev, the GIL released. A shape the compiled encoder leaves to Python, or an error while
- * encoding (cleared), leaves the record to the writer as before. */
-static PyObject *
-encoded(JournalCore *self, PyObject *op, PyObject *rec, PyObject *r)
+ * Why here and not on the writer: the writer encoded with the GIL held, ~2.5-7 us a
+ * query's record and ~1.6 us more to free its objects, cold from the queue, and a
+ * request that wanted the GIL meanwhile waited for the writer's next hand-over: with many
+ * queries a second the service's /query and /v1/route p99 were +22-33% while recorded
+ * (bench_record.py --service). Here the answer is warm, its objects are freed with the
+ * caller's, the keys are the ones the query hashed (the key memo, core.h), and the
+ * writer writes the run without the GIL (recframe.c's frame_run), as it does applies.
+ * The small records (a route's end, a count) go in the run too: each one queued apart
+ * would seal the run the queries fill. A shape the compiled encoder leaves to Python,
+ * or an error while encoding (cleared), leaves the record to the writer. */
+static int
+encoded(JournalCore *self, PyObject *op, PyObject *rec)
 {
-    if (!self->encode || r == Py_None || self->raised == NULL || !PyLong_CheckExact(op))
-        return NULL;
+    if (!self->encode || self->raised == NULL || self->kinds == NULL || !PyBytes_Check(self->kinds) ||
+        !PyLong_CheckExact(op))
+        return 0;
     long code = PyLong_AsLong(op);
-    int kind = code == 23 ? KVI_REC_MATCH_PLAIN : code == 12 ? KVI_REC_ROUTE : -1; /* journal.MATCH_PLAIN, ROUTE */
-    if (kind < 0)
-        return NULL;
-    PyObject *body = kvi_encode_record(rec, kind, self->strip, (uint64_t)self->seed, self->raised, 1);
-    if (body == NULL)
+    if (code < 0 || code >= PyBytes_GET_SIZE(self->kinds)) {
         PyErr_Clear();
-    else if (!PyBytes_CheckExact(body))
-        Py_CLEAR(body);
-    return body;
+        return 0;
+    }
+    int kind = (int)((unsigned char *)PyBytes_AS_STRING(self->kinds))[code] - 1;
+    if (kind < 0)
+        return 0;
+    int laid = kvi_lay_record(self, rec, kind);
+    if (laid < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    return laid;
 }
 
 /* Queue the call ``op(*cargs)`` that returned ``r`` (NULL: it raised, the error set) with
@@ -362,20 +373,20 @@ queue_call(JournalCore *self, PyObject *op, PyObject *cargs, PyObject *r, Py_ssi
     PyTuple_SET_ITEM(rec, 2, cargs);
     PyTuple_SET_ITEM(rec, 3, r);
     PyTuple_SET_ITEM(rec, 4, times);
+    if (encoded(self, op, rec)) {
+        Py_DECREF(rec);
+        if (counted(self, 1) < 0)
+            Py_CLEAR(r);
+        return r;
+    }
     if (kvi_seal(self) < 0) {
         Py_DECREF(rec);
         Py_DECREF(r);
         return NULL;
     }
-    PyObject *body = encoded(self, op, rec, r);
-    if (body != NULL) {
-        Py_SETREF(rec, body);
-    }
-    else {
-        untrack_values(self, cargs);
-        untrack_values(self, r);
-        PyObject_GC_UnTrack(rec); /* holds a cycle only if its args or result do: they stay tracked then */
-    }
+    untrack_values(self, cargs);
+    untrack_values(self, r);
+    PyObject_GC_UnTrack(rec); /* holds a cycle only if its args or result do: they stay tracked then */
     PyObject *res = PyObject_CallOneArg(self->append, rec);
     Py_DECREF(rec);
     if (res == NULL || counted(self, 0) < 0) {
@@ -517,8 +528,10 @@ static PyMemberDef jc_members[] = {
      "lay plain GPU stores with their block keys in place of their token ids (hashed mode)"},
     {"seed", T_ULONGLONG, offsetof(JournalCore, seed), 0, "the block keys' seed (with strip)"},
     {"encode", T_BOOL, offsetof(JournalCore, encode), 0,
-     "queue the queries' records (match_plain, route) encoded, on the query's thread (prompts as strip says)"},
+     "lay the records of the ops kinds names encoded, on the calling thread (prompts as strip says)"},
     {"raised", T_OBJECT, offsetof(JournalCore, raised), 0, "journal.Raised, for the encoder (with encode)"},
+    {"kinds", T_OBJECT, offsetof(JournalCore, kinds), 0,
+     "bytes: kinds[op] - 1 is the encoder's kind of op's record, laid encoded (0: the writer's)"},
     {NULL, 0, 0, 0, NULL},
 };
 

@@ -35,14 +35,21 @@ typedef struct {
     Py_ssize_t sealed;    /* runs queued and not released yet */
     char strip;           /* lay plain GPU stores with their keys for token ids (hashed mode) */
     unsigned long long seed; /* the keys' seed (wire/keys.py's KEY_SEED) */
-    char encode;          /* the queries' records queued encoded (queue_call says why) */
+    char burst;           /* the last run was sealed full: the next is a large one */
+    char encode;          /* records laid in runs encoded (journal.c's encoded says why) */
     PyObject *raised;     /* journal.Raised, for the encoder */
+    PyObject *kinds;      /* bytes: kinds[op] - 1 is recquery.c's kind of op's record (0: Python's) */
 } JournalCore;
 
 /* A run's buffer: a run is queued when the next apply does not fit (or one bigger than
  * this has a run of its own): ~2,000 stripped batches of 64 blocks. Fewer, larger runs
  * are fewer GIL hand-overs for the writer, which takes the GIL once a run. */
 #define RUN_BYTES (4u << 20)
+/* A run begun while none is full yet starts this small (the C allocator's) and grows up
+ * to SMALL_RUN_MAX before it is sealed; a run's buffer at most that large is malloc's,
+ * a larger one a mapping of its own (kvi_run_buf). */
+#define SMALL_RUN (64u << 10)
+#define SMALL_RUN_MAX (1u << 20)
 
 /* A run's buffer of ``cap`` bytes, in huge pages where the kernel gives them, or NULL;
  * and its release (applyrun.c). */
@@ -55,6 +62,12 @@ KVI_HIDDEN double kvi_wall_now(void);
 /* The apply whose arguments are ``a`` and result ``r`` laid in the open run (applyrun.c):
  * 1; 0 not of the shape a run holds; -1 out of memory. */
 KVI_HIDDEN int kvi_lay_apply(JournalCore *self, long op, PyObject *const *a, PyObject *r, Py_ssize_t base, int sink);
+/* A record already framed (``n`` bytes at ``frame``; ``answer``: a query's answer, counted)
+ * laid in the open run (applyrun.c): 1, or -1 out of memory. */
+KVI_HIDDEN int kvi_lay_frame(JournalCore *self, const unsigned char *frame, size_t n, int answer);
+/* The journal record ``item`` of recquery.c's ``kind`` encoded as the writer would, framed
+ * and laid in the open run (recquery.c): 1; 0 a shape left to the writer; -1 error set. */
+KVI_HIDDEN int kvi_lay_record(JournalCore *self, PyObject *item, int kind);
 /* Buffers kept for runs holding ``bytes`` (applyrun.c): 0, or -1 out of memory. */
 KVI_HIDDEN int kvi_journal_stock(JournalCore *self, Py_ssize_t bytes);
 

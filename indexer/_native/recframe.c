@@ -121,6 +121,8 @@ frame_apply(const ARec *a, int hashed, uint64_t seed, Out *out, Out *pl, Out *sc
 {
     const unsigned char *payload = AREC_PAYLOAD(a);
     size_t payload_n = (size_t)a->payload_n;
+    if (a->op == AREC_FRAMED) /* a query's record, framed when it was laid */
+        return put(out, payload, payload_n) ? 1 : -1;
     if (hashed && !a->stripped) {
         pl->len = 0;
         int st = strip_batch(payload, payload_n, pl, scratch, seed);

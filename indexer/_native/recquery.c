@@ -16,6 +16,7 @@
  * record held it ~4.3 us (a MatchResult's msgpack, its digest, the keys, ~20 frames) and
  * a /v1/route record ~4.5 us; a service answering thousands a second gave that to the
  * writer while requests waited. Here: ~1 us. */
+#include "journal.h"
 #include "mpwrite.h"
 
 #define MAX_KEPT_ANSWER 8192 /* recops.MAX_KEPT_ANSWER: an answer kept whole up to this size */
@@ -457,41 +458,32 @@ PyDoc_STRVAR(encode_record_doc,
 "byte the Python encoder's (record.py); None: a shape left to it. `hashed`: prompts\n"
 "as block keys (seed `seed`), else as their length. `raised`: journal.Raised.");
 
-/* ``body`` framed: its length and checksum (recframe.c's), then itself. */
-static PyObject *
-frame_one(const Out *body)
-{
-    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)body->len + 8);
-    if (out != NULL) {
-        unsigned char *p = (unsigned char *)PyBytes_AS_STRING(out);
-        put_le32(p, (uint32_t)body->len);
-        put_le32(p + 4, kvi_rec_checksum(body->buf, body->len));
-        memcpy(p + 8, body->buf, body->len);
-    }
-    return out;
-}
+/* Encode ``item`` (w_record) in the kept buffers ``keep`` (or, called again while they are
+ * in use, in ``local``): ``*out`` is where the body is, from byte ``at``; release with
+ * done_with. ``at`` 8 leaves room for the frame's head. 1, 0, -1 as w_record. */
+static Out keep[3];
+static int busy;
 
-/* The body of ``item`` as encode_record makes it: bytes, None (a shape left to Python), or
- * NULL with an error set; ``framed``: as recfile.frame frames it (length, checksum, body). Called by the writer and, for the queries' records, by the
- * journal as it queues them (journal.c), both with the GIL held. */
-KVI_HIDDEN PyObject *
-kvi_encode_record(PyObject *item, int kind, int hashed, uint64_t seed, PyObject *raised, int framed)
+static int
+encode_in(Out local[3], Out **out, size_t at, PyObject *item, int kind, int hashed, uint64_t seed, PyObject *raised)
 {
-    /* Buffers kept between calls (the GIL held; no Python runs while they are in use but
-     * attribute reads of the index's own types; a nested call gets buffers of its own). */
-    static Out keep[3];
-    static int busy;
-    Out local[3] = {{0}};
+    /* The GIL held; no Python runs while the buffers are in use but attribute reads of
+     * the index's own types. */
     Out *o = busy ? local : keep;
-    int mine = !busy;
     busy = 1;
     for (int i = 0; i < 3; i++)
         o[i].len = 0;
-    int r = w_record(&o[0], &o[1], &o[2], item, kind, hashed, seed, raised);
-    PyObject *out = r > 0 ? framed ? frame_one(&o[0]) : PyBytes_FromStringAndSize((const char *)o[0].buf,
-                                                                                   (Py_ssize_t)o[0].len)
-                  : r == 0 ? (Py_INCREF(Py_None), Py_None) : (PyErr_Occurred() ? NULL : PyErr_NoMemory());
-    if (mine) {
+    *out = o;
+    if (at && !room(&o[0], at))
+        return -1;
+    o[0].len = at;
+    return w_record(&o[0], &o[1], &o[2], item, kind, hashed, seed, raised);
+}
+
+static void
+done_with(Out *o, Out local[3])
+{
+    if (o == keep) {
         busy = 0;
         for (int i = 0; i < 3; i++)
             if (o[i].cap > (1u << 20)) { /* a huge answer's buffer is not kept */
@@ -503,7 +495,37 @@ kvi_encode_record(PyObject *item, int kind, int hashed, uint64_t seed, PyObject 
     else
         for (int i = 0; i < 3; i++)
             free(local[i].buf);
+}
+
+/* The body of ``item`` as encode_record makes it (the writer's, with the GIL held):
+ * bytes, None (a shape left to Python), or NULL with an error set. */
+static PyObject *
+encode_bytes(PyObject *item, int kind, int hashed, uint64_t seed, PyObject *raised)
+{
+    Out local[3] = {{0}}, *o;
+    int r = encode_in(local, &o, 0, item, kind, hashed, seed, raised);
+    PyObject *out = r > 0 ? PyBytes_FromStringAndSize((const char *)o[0].buf, (Py_ssize_t)o[0].len)
+                  : r == 0 ? Py_NewRef(Py_None) : (PyErr_Occurred() ? NULL : PyErr_NoMemory());
+    done_with(o, local);
     return out;
+}
+
+KVI_HIDDEN int
+kvi_lay_record(JournalCore *j, PyObject *item, int kind)
+{
+    Out local[3] = {{0}}, *o;
+    int r = encode_in(local, &o, 8, item, kind, j->strip, (uint64_t)j->seed, j->raised);
+    if (r > 0) { /* framed as recfile.frame frames it: length, checksum, body */
+        size_t n = o[0].len - 8;
+        put_le32(o[0].buf, (uint32_t)n);
+        put_le32(o[0].buf + 4, kvi_rec_checksum(o[0].buf + 8, n));
+        r = kvi_lay_frame(j, o[0].buf, o[0].len,
+                          (kind == K_MATCH_PLAIN || kind == K_ROUTE) && PyTuple_GET_ITEM(item, 3) != Py_None);
+    }
+    else if (r < 0 && !PyErr_Occurred())
+        PyErr_NoMemory();
+    done_with(o, local);
+    return r;
 }
 
 static PyObject *
@@ -521,7 +543,7 @@ encode_record(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
             PyErr_SetString(PyExc_OverflowError, "seed must be in [0, 2**64)");
         return NULL;
     }
-    return kvi_encode_record(args[0], (int)kind, hashed, seed, args[4], 0);
+    return encode_bytes(args[0], (int)kind, hashed, seed, args[4]);
 }
 
 KVI_HIDDEN PyMethodDef kvi_recquery_methods[] = {

@@ -84,6 +84,8 @@ _KINDS: dict[Any, int] = {op: _GENERIC for op in (
     J.COUNT_DROPPED, J.ROUTE_DONE, J.TIE_SLOT, J.DROP_PEER, J.EXPIRE, J.CLOSE)}
 _KINDS.update({"note": _NOTE, J.REGISTER: _GENERIC_NONE, J.MATCH_PLAIN: _MATCH_PLAIN, J.ROUTE: _ROUTE})
 _encode_record: Any = getattr(_core, "encode_record", None)
+# The same, for the journal (journal.c's kinds): byte op is the op's kind + 1, or 0.
+_KIND_TABLE = bytes(_KINDS[op] + 1 if op in _KINDS else 0 for op in range(max(J.OPS) + 1))
 
 
 def _frames_py(bodies: list[bytes]) -> bytes:
@@ -236,8 +238,9 @@ class Recorder:
             # apply made in place of its token ids (core.h's key sink), not the writer.
             j.strip = self.tokens == "hashed"
             j.seed = KEY_SEED
-            if self._compiled:  # queries' records encoded on the query's thread (journal.c's encoded)
+            if self._compiled:  # records encoded on the calling thread, laid in runs (journal.c's encoded)
                 j.raised = Raised
+                j.kinds = _KIND_TABLE
                 j.encode = True
             # Buffers for 16 MiB of runs, touched now and kept between bursts; a burst makes
             # the rest as it goes (huge pages: applyrun.c's kvi_run_buf).
@@ -382,13 +385,6 @@ class Recorder:
                 if self.stopped is None:
                     self._frame_run(item, bodies, framed, out)
                 continue
-            if item.__class__ is bytes:  # a query's record, encoded and framed as it was queued (journal.c)
-                if self.stopped is None:
-                    framed()
-                    out.append(item)
-                    self.records += 1
-                    self.answers += 1
-                continue
             kind = item[0]
             if kind == "flush" or kind == "base":
                 framed()
@@ -406,9 +402,11 @@ class Recorder:
         framed()
 
     def _frame_run(self, run: Any, bodies: list[bytes], framed: Any, out: list[bytes]) -> None:
-        """Frame the applies of ``run``: by the compiled framer straight to the file, but
-        for what it leaves to the Python encoder (a payload not of the plain GPU shape in
-        ``hashed`` mode; every one in ``none`` mode)."""
+        """Frame the records of ``run`` (applies, and queries laid already framed):
+        by the compiled framer straight to the file, but for what it leaves to the Python
+        encoder (a payload not of the plain GPU shape in ``hashed`` mode; every one in
+        ``none`` mode)."""
+        self.answers += run.answers
         i, n = 0, len(run)
         fast = self.tokens != "none" and self._file is not None
         hashed = self.tokens == "hashed"
@@ -424,7 +422,13 @@ class Recorder:
                 i = nxt
                 if i == n:
                     break
-            bodies.append(self._encode(run.item(i)))
+            item = run.item(i)
+            if item.__class__ is bytes:  # a query's frame
+                framed()
+                out.append(item)
+                self.records += 1
+            else:
+                bodies.append(self._encode(item))
             i += 1
 
     def _encode(self, item: tuple[Any, ...]) -> bytes:

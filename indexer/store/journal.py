@@ -74,7 +74,7 @@ class _PyJournalCore:
     one, used when built): the queue, the clock wrapper and :meth:`run`."""
 
     __slots__ = ("records", "times", "active", "raw", "max_pending", "overflowed", "values", "wake", "wake_every",
-                 "wake_bytes", "run_bytes", "since_wake", "strip", "seed", "encode", "raised")
+                 "wake_bytes", "run_bytes", "since_wake", "strip", "seed", "encode", "raised", "kinds")
 
     def __init__(self, raw: Callable[[], float], max_pending: int = 1_000_000) -> None:
         self.values: frozenset[type] | None = None  # untracked by the compiled twin only (journal.c)
@@ -88,6 +88,7 @@ class _PyJournalCore:
         self.seed = 0
         self.encode = False  # the compiled twin's: queries' records queued encoded (the writer encodes here)
         self.raised: type | None = None
+        self.kinds: bytes | None = None
         self.records: deque[tuple[Any, ...]] = deque()
         self.times: list[float] = []
         self.active = False

@@ -162,7 +162,8 @@ def test_frame_run_writes_what_the_python_encoder_writes(tmp_path, mode):
 
 
 def test_a_run_is_queued_before_any_other_record(tmp_path):
-    """Order: the applies before a note, a query or a flush go first, each run whole."""
+    """Order: the applies (and the records laid with them) before a note, a query or a
+    flush queued apart go first, each run whole."""
     idx = PrefixIndex(clock=FakeClock())
     rec = Recorder(str(tmp_path))
     rec.attach(idx)
@@ -171,10 +172,11 @@ def test_a_run_is_queued_before_any_other_record(tmp_path):
     idx.apply_sequenced("e0", encode_batch([store(t, BS, 3, 6)]), seq=1)
     rec.note("replayed", "e0", 0, 1)
     idx.apply_sequenced("e0", encode_batch([removed([1])]), seq=2)
-    idx.route_done("nothing")
+    idx.route_done("nothing")  # encoded and laid in the run, after the apply (journal.c's encoded)
+    idx.route(t)  # a ranking of dicts: queued apart, for the writer, after the run
     kinds = [("run", len(r)) if not isinstance(r, tuple) else r[0] for r in rec.journal.records]
-    assert kinds == ["base", ("run", 2), "note", ("run", 1), J.ROUTE_DONE]
-    assert rec.journal.pending == 6
+    assert kinds == ["base", ("run", 2), "note", ("run", 2), J.ROUTE]
+    assert rec.journal.pending == 7
     rec.stop()
 
 
@@ -256,3 +258,34 @@ def test_a_query_record_leaves_the_collector_nothing_to_walk_but_the_callers_own
         assert left == [], (x[0], [type(o).__name__ for o in left])
     assert gc.is_tracked(load)
     rec.stop()
+
+
+@pytest.mark.parametrize("tokens", ["hashed", "none"])
+def test_records_laid_between_applies_replay_in_order(tmp_path, tokens):
+    """Queries and route ends laid encoded in the runs (a small run that grows, then runs
+    sealed full and by a record queued apart), between applies: written in order by the
+    compiled framer (hashed) or record by record (none), and replayed to the same answers."""
+    from indexer.ingest.replay import replay
+    from indexer.wire.keys import tokens_to_bytes
+
+    idx = PrefixIndex(clock=FakeClock())
+    rec = Recorder(str(tmp_path), tokens=tokens)
+    rec.attach(idx)
+    rec.journal.stock(0)  # no kept buffers: runs begin small
+    n = 0
+    for s in range(40):
+        t = toks(100 * s, 32, BS)
+        idx.apply_sequenced(f"e{s % 3}", encode_batch([store(t, BS, 0, 32)]), seq=s // 3)
+        for k in range(60):
+            idx.match_plain(tokens_to_bytes(t[: BS * (1 + k % 32)]), "default")
+            r = idx.route_body(tokens_to_bytes(t), model="default", load={}, link=None)
+            idx.route_done(r.request_id)
+            n += 2
+        if s % 10 == 9:
+            idx.route(t)  # queued apart: the open run is sealed before it
+            n += 1
+    rec.stop()
+    assert (rec.records, rec.answers) == (40 + n + 40 * 60, n)
+    rep = replay(str(tmp_path))
+    assert rep.answers == n and not rep.damage
+    assert rep.reproduced == (n if tokens == "hashed" else 0)

@@ -187,10 +187,12 @@ def _calls(idx: PrefixIndex) -> None:
 
 @pytest.mark.parametrize("mode", ["hashed", "none"])
 def test_queries_are_queued_encoded_as_the_writer_would(tmp_path, mode):
-    """With the compiled encoder, a recording's match_plain and route records are encoded
-    and framed on the query's thread as they are queued (journal.c's ``encoded``): the same body the
-    Python encoder makes of the tuple the writer would have had, but for the wall clock.
-    What it leaves to Python is queued as a tuple; the writer counts both alike."""
+    """With the compiled encoder, a recording's match_plain, route and other records it
+    writes are encoded, framed and laid in the journal's run on the calling thread
+    (journal.c's ``encoded``):
+    the same body the Python encoder makes of the tuple the writer would have had, but
+    for the wall clock. What it leaves to Python is queued as a tuple; the writer counts
+    both alike."""
     queues = []
     for encode in (True, False):
         idx, rec = _fleet(tmp_path / str(encode))
@@ -200,9 +202,15 @@ def test_queries_are_queued_encoded_as_the_writer_would(tmp_path, mode):
         idx.inflight._prefix = "0d0d0d0d-"  # the request ids alike in both
         _calls(idx)
         rec.journal.seal()
-        queues.append((rec, [r for r in rec.journal.records if r[0] not in ("base", "flush")]))
+        flat = []  # runs (the applies' and the queries' frames) opened up, in order
+        for r in rec.journal.records:
+            if isinstance(r, tuple):
+                flat += [r] if r[0] not in ("base", "flush") else []
+            else:
+                flat += [r.item(i) for i in range(len(r))]
+        queues.append((rec, flat))
     (rec, fast), (_, slow) = queues
-    assert [type(x).__name__ for x in fast] == ["bytes"] * 3 + ["tuple"] + ["bytes"] * 3 + ["tuple"] * 2
+    assert [type(x).__name__ for x in fast] == ["bytes"] * 7 + ["tuple"] * 2  # route_done's too
     assert all(isinstance(x, tuple) for x in slow)
 
     def unwalled(body: bytes) -> list:
@@ -215,6 +223,6 @@ def test_queries_are_queued_encoded_as_the_writer_would(tmp_path, mode):
             assert frame(got[8:]) == got  # framed: its length and checksum, then the body
             assert unwalled(got[8:]) == unwalled(_reference(it, mode)), it[0]
     rec.flush()  # no writer thread: drained here
-    assert (rec.records, rec.answers) == (9, 7)  # six encoded, route_done, the dict route, the raised one
+    assert (rec.records, rec.answers) == (9, 7)  # seven laid (six answers), the dict route, the raised one
     for r, _ in queues:
         r.stop()
