@@ -356,6 +356,7 @@ class JournalCore:
     encode: bool
     raised: type | None
     kinds: bytes | None
+    apart: Any
 
     def __init__(self, raw: Callable[[], float], max_pending: int = 1000000) -> None: ...
     def run(self, op: int, fn: Callable[..., Any], args: tuple[Any, ...], /) -> Any:
@@ -381,9 +382,9 @@ class ApplyRun:
     answers: int  # the queries' answers among the records laid framed
 
     def __len__(self) -> int: ...
-    def item(self, i: int, /) -> tuple[Any, ...] | bytes:
-        """Record ``i`` as the journal's tuple ``(op, wall, args, result, times)``, or its
-        frame when it was laid framed."""
+    def item(self, i: int, /) -> tuple[Any, ...] | bytes | None:
+        """Record ``i`` as the journal's tuple ``(op, wall, args, result, times)``, its
+        frame when it was laid framed, or None in the place of a record queued apart."""
 
 
 def frame_run(run: ApplyRun, start: int, hashed: bool, seed: int, fd: int, /) -> tuple[int, int]:

@@ -14,6 +14,8 @@
  *
  * The other journaled calls' records are laid in the run too, already encoded and framed
  * (kvi_lay_frame, from journal.c's encoded): the payload is the frame, written as it is.
+ * A record queued apart for the writer to encode has its place here (kvi_lay_apart), so
+ * it does not seal the run.
  *
  * From Python a run is a sequence of its records' count: ``len(run)``; ``run.item(i)``
  * is record i as the journal's tuple ``(op, wall, args, result, times)``, for what the
@@ -289,6 +291,24 @@ kvi_lay_frame(JournalCore *self, const unsigned char *frame, size_t n, int answe
 }
 
 KVI_HIDDEN int
+kvi_lay_apart(JournalCore *self)
+{
+    ApplyRun *run = open_run(self, sizeof(ARec));
+    if (run == NULL)
+        return -1;
+    ARec h;
+    memset(&h, 0, sizeof h);
+    h.size = (uint32_t)sizeof(ARec);
+    h.op = AREC_APART;
+    memcpy(run->buf + run->len, &h, sizeof h);
+    run->len += sizeof h;
+    self->run_bytes += (Py_ssize_t)sizeof h;
+    run->count++;
+    self->in_runs++;
+    return 1;
+}
+
+KVI_HIDDEN int
 kvi_journal_stock(JournalCore *self, Py_ssize_t bytes)
 {
     Py_ssize_t n = bytes <= 0 ? 0 : (bytes + RUN_BYTES - 1) / RUN_BYTES;
@@ -363,6 +383,8 @@ ar_item(ApplyRun *self, PyObject *arg)
     const ARec *r = kvi_run_rec(self, i);
     if (r->op == AREC_FRAMED)
         return PyBytes_FromStringAndSize((const char *)AREC_PAYLOAD(r), (Py_ssize_t)r->payload_n);
+    if (r->op == AREC_APART)
+        Py_RETURN_NONE;
     PyObject *times = PyTuple_New(r->nt);
     if (times == NULL)
         return NULL;
@@ -418,7 +440,8 @@ static PyMemberDef ar_members[] = {
 static PyMethodDef ar_methods[] = {
     {"item", (PyCFunction)ar_item, METH_O,
      "item(i) -> record i as the journal's tuple (op, wall, args, result, times), or its frame\n"
-     "(bytes) when it was laid framed."},
+     "(bytes) when it was laid framed, or None in the place of the next record queued apart\n"
+     "(the journal's ``apart``)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -84,6 +84,9 @@ typedef struct {
 /* The op of a record laid already framed (journal.c's encoded); its payload is the
  * frame, nothing else is set. The journal's ops are 1 and up. */
 #define AREC_FRAMED 0
+/* The op of the place of a record queued apart, in the journal's ``apart`` queue (the
+ * writer takes it from there); nothing else is set. */
+#define AREC_APART 255
 
 #define AREC_TIMES(r) ((const double *)((const unsigned char *)(r) + sizeof(ARec)))
 #define AREC_ENGINE(r) ((const char *)(AREC_TIMES(r) + (r)->nt))

@@ -30,16 +30,23 @@ jc_init(JournalCore *self, PyObject *args, PyObject *kwds)
     if (coll == NULL)
         return -1;
     PyObject *dq = PyObject_CallMethod(coll, "deque", NULL);
-    Py_DECREF(coll);
-    if (dq == NULL)
-        return -1;
-    PyObject *app = PyObject_GetAttrString(dq, "append");
+    PyObject *app = dq == NULL ? NULL : PyObject_GetAttrString(dq, "append");
     if (app == NULL) {
-        Py_DECREF(dq);
+        Py_DECREF(coll);
+        Py_XDECREF(dq);
         return -1;
     }
     Py_XSETREF(self->records, dq);
     Py_XSETREF(self->append, app);
+    dq = PyObject_CallMethod(coll, "deque", NULL);
+    app = dq == NULL ? NULL : PyObject_GetAttrString(dq, "append");
+    Py_DECREF(coll);
+    if (app == NULL) {
+        Py_XDECREF(dq);
+        return -1;
+    }
+    Py_XSETREF(self->apart, dq);
+    Py_XSETREF(self->apart_append, app);
     Py_INCREF(raw);
     Py_XSETREF(self->raw, raw);
     self->max_pending = max_pending;
@@ -57,6 +64,8 @@ jc_traverse(JournalCore *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->records);
     Py_VISIT(self->append);
+    Py_VISIT(self->apart);
+    Py_VISIT(self->apart_append);
     Py_VISIT(self->raw);
     Py_VISIT(self->values);
     Py_VISIT(self->wake);
@@ -71,6 +80,8 @@ jc_clear(JournalCore *self)
 {
     Py_CLEAR(self->records);
     Py_CLEAR(self->append);
+    Py_CLEAR(self->apart);
+    Py_CLEAR(self->apart_append);
     Py_CLEAR(self->raw);
     Py_CLEAR(self->values);
     Py_CLEAR(self->wake);
@@ -379,7 +390,9 @@ queue_call(JournalCore *self, PyObject *op, PyObject *cargs, PyObject *r, Py_ssi
             Py_CLEAR(r);
         return r;
     }
-    if (kvi_seal(self) < 0) {
+    /* Queued apart, for the writer: with encode, its place laid in the run (which goes on
+     * filling); else after the run, sealed. */
+    if (self->encode ? kvi_lay_apart(self) < 0 : kvi_seal(self) < 0) {
         Py_DECREF(rec);
         Py_DECREF(r);
         return NULL;
@@ -387,7 +400,7 @@ queue_call(JournalCore *self, PyObject *op, PyObject *cargs, PyObject *r, Py_ssi
     untrack_values(self, cargs);
     untrack_values(self, r);
     PyObject_GC_UnTrack(rec); /* holds a cycle only if its args or result do: they stay tracked then */
-    PyObject *res = PyObject_CallOneArg(self->append, rec);
+    PyObject *res = PyObject_CallOneArg(self->encode ? self->apart_append : self->append, rec);
     Py_DECREF(rec);
     if (res == NULL || counted(self, 0) < 0) {
         Py_XDECREF(res);
@@ -513,6 +526,8 @@ static PyMethodDef jc_methods[] = {
 
 static PyMemberDef jc_members[] = {
     {"records", T_OBJECT, offsetof(JournalCore, records), READONLY, "the queue (a deque) the writer takes from"},
+    {"apart", T_OBJECT, offsetof(JournalCore, apart), READONLY,
+     "with encode: the calls' records queued apart (a deque), each in its place in a run (None there)"},
     {"raw", T_OBJECT, offsetof(JournalCore, raw), READONLY, "the index's own clock"},
     {"wake", T_OBJECT, offsetof(JournalCore, wake), 0, "called every wake_every records queued (or None)"},
     {"wake_every", T_PYSSIZET, offsetof(JournalCore, wake_every), 0, "records between two calls of wake"},

@@ -17,6 +17,8 @@ typedef struct {
     PyObject_HEAD
     PyObject *records; /* a collections.deque of records, taken by the writer thread */
     PyObject *append;  /* records.append */
+    PyObject *apart;   /* with encode: a deque of the records queued apart, each in its place in a run */
+    PyObject *apart_append;
     PyObject *raw;     /* the index's own clock */
     PyObject *values;  /* a frozenset of types whose instances a record may untrack (untrack_graph), or NULL */
     PyObject *wake;    /* called with no argument every wake_every records queued (the writer's event), or NULL */
@@ -65,6 +67,9 @@ KVI_HIDDEN int kvi_lay_apply(JournalCore *self, long op, PyObject *const *a, PyO
 /* A record already framed (``n`` bytes at ``frame``; ``answer``: a query's answer, counted)
  * laid in the open run (applyrun.c): 1, or -1 out of memory. */
 KVI_HIDDEN int kvi_lay_frame(JournalCore *self, const unsigned char *frame, size_t n, int answer);
+/* The place of a record queued apart (``apart``) laid in the open run (applyrun.c): 1,
+ * or -1 out of memory. */
+KVI_HIDDEN int kvi_lay_apart(JournalCore *self);
 /* The journal record ``item`` of recquery.c's ``kind`` encoded as the writer would, framed
  * and laid in the open run (recquery.c): 1; 0 a shape left to the writer; -1 error set. */
 KVI_HIDDEN int kvi_lay_record(JournalCore *self, PyObject *item, int kind);

@@ -121,8 +121,10 @@ frame_apply(const ARec *a, int hashed, uint64_t seed, Out *out, Out *pl, Out *sc
 {
     const unsigned char *payload = AREC_PAYLOAD(a);
     size_t payload_n = (size_t)a->payload_n;
-    if (a->op == AREC_FRAMED) /* a query's record, framed when it was laid */
+    if (a->op == AREC_FRAMED) /* a record framed when it was laid */
         return put(out, payload, payload_n) ? 1 : -1;
+    if (a->op == AREC_APART) /* a record queued apart: the writer's, in Python */
+        return 0;
     if (hashed && !a->stripped) {
         pl->len = 0;
         int st = strip_batch(payload, payload_n, pl, scratch, seed);

@@ -407,6 +407,7 @@ class Recorder:
         encoder (a payload not of the plain GPU shape in ``hashed`` mode; every one in
         ``none`` mode)."""
         self.answers += run.answers
+        apart = self.journal.apart if self.journal is not None else None
         i, n = 0, len(run)
         fast = self.tokens != "none" and self._file is not None
         hashed = self.tokens == "hashed"
@@ -423,7 +424,9 @@ class Recorder:
                 if i == n:
                     break
             item = run.item(i)
-            if item.__class__ is bytes:  # a query's frame
+            if item is None and apart is not None:  # the place of a record queued apart (journal.c)
+                item = apart.popleft()
+            if item.__class__ is bytes:  # a record laid framed
                 framed()
                 out.append(item)
                 self.records += 1
@@ -511,6 +514,7 @@ class Recorder:
         j = self.journal
         if j is not None:
             j.stock(0)  # the runs' buffers go back
+            j.apart.clear()
             q = j.records  # what is in it now is not written; a flush waiting on it returns
             for item in (*(taken or ()), *(q.popleft() for _ in range(len(q)))):
                 if item is not None and item.__class__ is not _Run and item[0] == "flush":

@@ -74,7 +74,7 @@ class _PyJournalCore:
     one, used when built): the queue, the clock wrapper and :meth:`run`."""
 
     __slots__ = ("records", "times", "active", "raw", "max_pending", "overflowed", "values", "wake", "wake_every",
-                 "wake_bytes", "run_bytes", "since_wake", "strip", "seed", "encode", "raised", "kinds")
+                 "wake_bytes", "run_bytes", "since_wake", "strip", "seed", "encode", "raised", "kinds", "apart")
 
     def __init__(self, raw: Callable[[], float], max_pending: int = 1_000_000) -> None:
         self.values: frozenset[type] | None = None  # untracked by the compiled twin only (journal.c)
@@ -90,6 +90,7 @@ class _PyJournalCore:
         self.raised: type | None = None
         self.kinds: bytes | None = None
         self.records: deque[tuple[Any, ...]] = deque()
+        self.apart: deque[tuple[Any, ...]] = deque()  # the compiled twin's (with encode)
         self.times: list[float] = []
         self.active = False
         self.raw = raw

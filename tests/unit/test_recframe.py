@@ -162,8 +162,9 @@ def test_frame_run_writes_what_the_python_encoder_writes(tmp_path, mode):
 
 
 def test_a_run_is_queued_before_any_other_record(tmp_path):
-    """Order: the applies (and the records laid with them) before a note, a query or a
-    flush queued apart go first, each run whole."""
+    """Order: the applies (and the records laid with them) before a note or a flush go
+    first, each run whole; a record the writer encodes (a ranking of dicts) has its place
+    in the run and waits in the journal's ``apart`` queue."""
     idx = PrefixIndex(clock=FakeClock())
     rec = Recorder(str(tmp_path))
     rec.attach(idx)
@@ -173,10 +174,15 @@ def test_a_run_is_queued_before_any_other_record(tmp_path):
     rec.note("replayed", "e0", 0, 1)
     idx.apply_sequenced("e0", encode_batch([removed([1])]), seq=2)
     idx.route_done("nothing")  # encoded and laid in the run, after the apply (journal.c's encoded)
-    idx.route(t)  # a ranking of dicts: queued apart, for the writer, after the run
+    idx.route(t)  # a ranking of dicts: queued apart for the writer, its place in the run
+    idx.apply_sequenced("e0", encode_batch([removed([2])]), seq=3)  # the same run goes on
+    rec.journal.seal()
     kinds = [("run", len(r)) if not isinstance(r, tuple) else r[0] for r in rec.journal.records]
-    assert kinds == ["base", ("run", 2), "note", ("run", 2), J.ROUTE]
-    assert rec.journal.pending == 7
+    assert kinds == ["base", ("run", 2), "note", ("run", 4)]
+    run = rec.journal.records[-1]
+    assert [type(run.item(i)).__name__ for i in range(4)] == ["tuple", "bytes", "NoneType", "tuple"]
+    assert [r[0] for r in rec.journal.apart] == [J.ROUTE]
+    assert rec.journal.pending == 8
     rec.stop()
 
 
