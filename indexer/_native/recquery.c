@@ -330,69 +330,106 @@ route_reason(PyObject *score, PyObject *top, int *err)
     return none ? "no_cached_prefix_least_loaded" : longest ? "longest_cached_prefix" : "load_outweighs_cached_prefix";
 }
 
-/* ROUTE's answer (recops.encode_result) of a ranking written as JSON (``json`` not None):
- * the body ``["json", model, worker, engine, dp_rank, score, cost, reason, tiers,
- * unused_load, request_id, json]``, the summary ``[request_id, worker, reason, score,
- * cost]``. The head is Ranking.head() of struct entries, the tiers WorkerMatch.tiers. */
+/* WorkerMatch.tiers of ``best`` (a WorkerMatch, or None: {}): {name: blocks} of its tier
+ * items with blocks. 1, 0, -1 as w_obj. */
+static int
+w_tiers(Out *o, PyObject *best)
+{
+    if (best == Py_None)
+        return w_map(o, 0) ? 1 : -1;
+    PyObject *items = PyTuple_Check(best) && PyTuple_GET_SIZE(best) > 4 ? PyTuple_GET_ITEM(best, 4) : NULL;
+    if (items == NULL || !PyTuple_Check(items))
+        return 0;
+    uint32_t n = 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(items); i++) {
+        PyObject *it = PyTuple_GET_ITEM(items, i);
+        if (!PyTuple_Check(it) || PyTuple_GET_SIZE(it) != 2 || !PyLong_CheckExact(PyTuple_GET_ITEM(it, 1)))
+            return 0;
+        n += PyObject_IsTrue(PyTuple_GET_ITEM(it, 1));
+    }
+    if (!w_map(o, n))
+        return -1;
+    int r;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(items); i++) {
+        PyObject *it = PyTuple_GET_ITEM(items, i);
+        if (PyObject_IsTrue(PyTuple_GET_ITEM(it, 1)) &&
+            ((r = w_obj(o, PyTuple_GET_ITEM(it, 0), 0)) <= 0 || (r = w_obj(o, PyTuple_GET_ITEM(it, 1), 0)) <= 0))
+            return r;
+    }
+    return 1;
+}
+
+/* ROUTE's answer (recops.encode_result): the summary ``[request_id, worker, reason, score,
+ * cost]`` and the body, either
+ * - of a ranking written as JSON (``json`` not None, struct entries): ``["json", model,
+ *   worker, engine, dp_rank, score, cost, reason, tiers, unused_load, request_id, json]``;
+ * - or of a ranking of dicts (the library's route()): RouteResponse as msgspec writes it,
+ *   a map of its eleven fields in order, the entries the dicts as they are.
+ * The head is Ranking.head(), the tiers WorkerMatch.tiers. */
 static int
 w_route_answer(Out *o, Out *body, Out *sum, PyObject *result)
 {
     if (!PyTuple_CheckExact(result) || PyTuple_GET_SIZE(result) != 2)
         return 0;
     PyObject *ranking = PyTuple_GET_ITEM(result, 0), *rid = PyTuple_GET_ITEM(result, 1);
-    if (!PyTuple_Check(ranking) || PyTuple_GET_SIZE(ranking) != 7 || PyTuple_GET_ITEM(ranking, 6) == Py_None ||
-        PyTuple_GET_ITEM(ranking, 5) != Py_True || !PyList_Check(PyTuple_GET_ITEM(ranking, 1)) ||
+    if (!PyTuple_Check(ranking) || PyTuple_GET_SIZE(ranking) != 7 || !PyList_Check(PyTuple_GET_ITEM(ranking, 1)) ||
         PyList_GET_SIZE(PyTuple_GET_ITEM(ranking, 1)) == 0)
         return 0;
-    PyObject *head = PyList_GET_ITEM(PyTuple_GET_ITEM(ranking, 1), 0), *best = PyTuple_GET_ITEM(ranking, 2);
+    int json = PyTuple_GET_ITEM(ranking, 6) != Py_None;
+    if (PyTuple_GET_ITEM(ranking, 5) != (json ? Py_True : Py_False))
+        return 0;
+    PyObject *ranked = PyTuple_GET_ITEM(ranking, 1), *head = PyList_GET_ITEM(ranked, 0),
+             *best = PyTuple_GET_ITEM(ranking, 2);
+    if (!json && !PyDict_CheckExact(head))
+        return 0;
     static const char *const names[5] = {"worker", "engine", "dp_rank", "score", "cost"};
     PyObject *h[5] = {NULL, NULL, NULL, NULL, NULL};
-    int r = -1, err = 0;
-    for (int i = 0; i < 5; i++)
-        if ((h[i] = attr(head, names[i])) == NULL)
+    int r = 0, err = 0;
+    for (int i = 0; i < 5; i++) {
+        h[i] = json ? attr(head, names[i]) : Py_XNewRef(PyDict_GetItemString(head, names[i]));
+        if (h[i] == NULL) {
+            r = PyErr_Occurred() ? -1 : 0;
             goto done;
-    const char *reason = route_reason(h[3], PyTuple_GET_ITEM(ranking, 3), &err);
-    if (err || !w_arr(body, 12) || !w_str(body, "json", 4))
-        goto done;
-    if ((r = w_obj(body, PyTuple_GET_ITEM(ranking, 0), 0)) <= 0)
-        goto done;
-    for (int i = 0; i < 5; i++)
-        if ((r = w_obj(body, h[i], 0)) <= 0)
-            goto done;
+        }
+    }
     r = -1;
-    if (!w_str(body, reason, strlen(reason)))
+    const char *reason = route_reason(h[3], PyTuple_GET_ITEM(ranking, 3), &err);
+    if (err)
         goto done;
-    if (best == Py_None) {
-        if (!w_map(body, 0))
+    if (json) {
+        if (!w_arr(body, 12) || !w_str(body, "json", 4) || (r = w_obj(body, PyTuple_GET_ITEM(ranking, 0), 0)) <= 0)
+            goto done;
+        for (int i = 0; i < 5; i++)
+            if ((r = w_obj(body, h[i], 0)) <= 0)
+                goto done;
+        r = -1;
+        if (!w_str(body, reason, strlen(reason)) || (r = w_tiers(body, best)) <= 0 ||
+            (r = w_obj(body, PyTuple_GET_ITEM(ranking, 4), 0)) <= 0 || (r = w_obj(body, rid, 0)) <= 0 ||
+            (r = w_obj(body, PyTuple_GET_ITEM(ranking, 6), 0)) <= 0)
             goto done;
     }
-    else { /* WorkerMatch.tiers: {name: blocks} of its tier items with blocks */
-        PyObject *items = PyTuple_Check(best) && PyTuple_GET_SIZE(best) > 4 ? PyTuple_GET_ITEM(best, 4) : NULL;
-        if (items == NULL || !PyTuple_Check(items)) {
-            r = 0;
+    else {
+        if (!w_map(body, 11) || !w_str(body, "model", 5) || (r = w_obj(body, PyTuple_GET_ITEM(ranking, 0), 0)) <= 0)
             goto done;
-        }
-        uint32_t n = 0;
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(items); i++) {
-            PyObject *it = PyTuple_GET_ITEM(items, i);
-            if (!PyTuple_Check(it) || PyTuple_GET_SIZE(it) != 2 || !PyLong_CheckExact(PyTuple_GET_ITEM(it, 1))) {
-                r = 0;
-                goto done;
-            }
-            n += PyObject_IsTrue(PyTuple_GET_ITEM(it, 1));
-        }
-        if (!w_map(body, n))
-            goto done;
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(items); i++) {
-            PyObject *it = PyTuple_GET_ITEM(items, i);
-            if (PyObject_IsTrue(PyTuple_GET_ITEM(it, 1)) &&
-                ((r = w_obj(body, PyTuple_GET_ITEM(it, 0), 0)) <= 0 || (r = w_obj(body, PyTuple_GET_ITEM(it, 1), 0)) <= 0))
+        for (int i = 0; i < 5; i++) {
+            r = -1;
+            if (!w_str(body, names[i], strlen(names[i])) || (r = w_obj(body, h[i], 0)) <= 0)
                 goto done;
         }
+        r = -1;
+        if (!w_str(body, "reason", 6) || !w_str(body, reason, strlen(reason)) || !w_str(body, "tiers", 5) ||
+            (r = w_tiers(body, best)) <= 0)
+            goto done;
+        r = -1;
+        if (!w_str(body, "ranked", 6) || (r = w_obj(body, ranked, 0)) <= 0)
+            goto done;
+        r = -1;
+        if (!w_str(body, "unused_load", 11) || (r = w_obj(body, PyTuple_GET_ITEM(ranking, 4), 0)) <= 0)
+            goto done;
+        r = -1;
+        if (!w_str(body, "request_id", 10) || (r = w_obj(body, rid, 0)) <= 0)
+            goto done;
     }
-    if ((r = w_obj(body, PyTuple_GET_ITEM(ranking, 4), 0)) <= 0 || (r = w_obj(body, rid, 0)) <= 0 ||
-        (r = w_obj(body, PyTuple_GET_ITEM(ranking, 6), 0)) <= 0)
-        goto done;
     r = -1;
     if (!w_arr(sum, 5))
         goto done;

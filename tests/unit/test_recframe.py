@@ -174,7 +174,7 @@ def test_a_run_is_queued_before_any_other_record(tmp_path):
     rec.note("replayed", "e0", 0, 1)
     idx.apply_sequenced("e0", encode_batch([removed([1])]), seq=2)
     idx.route_done("nothing")  # encoded and laid in the run, after the apply (journal.c's encoded)
-    idx.route(t)  # a ranking of dicts: queued apart for the writer, its place in the run
+    idx.route(t, lora_name="ad")  # a namespaced prompt: queued apart for the writer, its place in the run
     idx.apply_sequenced("e0", encode_batch([removed([2])]), seq=3)  # the same run goes on
     rec.journal.seal()
     kinds = [("run", len(r)) if not isinstance(r, tuple) else r[0] for r in rec.journal.records]
@@ -269,8 +269,9 @@ def test_a_query_record_leaves_the_collector_nothing_to_walk_but_the_callers_own
 @pytest.mark.parametrize("tokens", ["hashed", "none"])
 def test_records_laid_between_applies_replay_in_order(tmp_path, tokens):
     """Queries and route ends laid encoded in the runs (a small run that grows, then runs
-    sealed full and by a record queued apart), between applies: written in order by the
-    compiled framer (hashed) or record by record (none), and replayed to the same answers."""
+    sealed full), between applies and records queued apart in their places: written in
+    order by the compiled framer (hashed) or record by record (none), and replayed to the
+    same answers."""
     from indexer.ingest.replay import replay
     from indexer.wire.keys import tokens_to_bytes
 
@@ -278,20 +279,25 @@ def test_records_laid_between_applies_replay_in_order(tmp_path, tokens):
     rec = Recorder(str(tmp_path), tokens=tokens)
     rec.attach(idx)
     rec.journal.stock(0)  # no kept buffers: runs begin small
-    n = 0
+    n = calls = 0
     for s in range(40):
         t = toks(100 * s, 32, BS)
         idx.apply_sequenced(f"e{s % 3}", encode_batch([store(t, BS, 0, 32)]), seq=s // 3)
         for k in range(60):
-            idx.match_plain(tokens_to_bytes(t[: BS * (1 + k % 32)]), "default")
+            # None (no answer) once a LoRA route's predictions are in flight: match's to give
+            plain = idx.match_plain(tokens_to_bytes(t[: BS * (1 + k % 32)]), "default")
             r = idx.route_body(tokens_to_bytes(t), model="default", load={}, link=None)
             idx.route_done(r.request_id)
-            n += 2
+            n += 1 + (plain is not None)
+            calls += 3
         if s % 10 == 9:
-            idx.route(t)  # queued apart: the open run is sealed before it
-            n += 1
+            idx.route(t)  # a ranking of dicts
+            idx.route(t, lora_name="ad")  # queued apart, in its place in the run
+            n += 2
+            calls += 2
     rec.stop()
-    assert (rec.records, rec.answers) == (40 + n + 40 * 60, n)
+    assert (rec.records, rec.answers) == (40 + calls, n)
     rep = replay(str(tmp_path))
-    assert rep.answers == n and not rep.damage
-    assert rep.reproduced == (n if tokens == "hashed" else 0)
+    queries = 40 * 60 * 2 + 4 * 2  # a replay checks the match_plain that answered None too
+    assert rep.answers == queries and not rep.damage
+    assert rep.reproduced == (queries if tokens == "hashed" else 0)

@@ -84,15 +84,11 @@ def test_query_records_are_the_python_encoders(tmp_path, mode):
     items = _queued(rec)
     ops = {it[0] for it in items}
     assert {J.MATCH_PLAIN, J.ROUTE, J.ROUTE_DONE, "note"} <= ops
-    written = 0
+    dicts = 0
     for it in items:
-        got = _compiled(it, mode)
-        if it[0] == J.ROUTE and it[3][0].json is None:
-            assert got is None  # a ranking of dicts: the Python encoder's
-            continue
-        assert got == _reference(it, mode), it[0]
-        written += 1
-    assert written == len(items) - 3  # the three dict routes
+        assert _compiled(it, mode) == _reference(it, mode), it[0]
+        dicts += it[0] == J.ROUTE and it[3][0].json is None  # a ranking of dicts (route()): RouteResponse's map
+    assert dicts == 3
 
 
 def test_answers_past_the_kept_size_keep_their_digest_only(tmp_path):
@@ -180,7 +176,8 @@ def _calls(idx: PrefixIndex) -> None:
     idx.match_plain(tokens_to_bytes(long), "default")
     idx.route_body(tokens_to_bytes(long), model="default", load={}, link=None)
     idx.route_body(tokens_to_bytes(toks(9000, 700, BS)), model="default", load={}, link=None)
-    idx.route(toks(0, 40, BS), max_tokens=8)  # a ranking of dicts: left to the writer
+    idx.route(toks(0, 40, BS), max_tokens=8)  # a ranking of dicts
+    idx.route(toks(0, 40, BS), lora_name="ad")  # a namespaced prompt: left to the writer
     with pytest.raises(KeyError):
         idx.match_plain(prompt, "no-such-model")  # raised: left to the writer
 
@@ -211,7 +208,7 @@ def test_queries_are_queued_encoded_as_the_writer_would(tmp_path, mode):
                 flat += [r.item(i) if r.item(i) is not None else next(apart) for i in range(len(r))]
         queues.append((rec, flat))
     (rec, fast), (_, slow) = queues
-    assert [type(x).__name__ for x in fast] == ["bytes"] * 7 + ["tuple"] * 2  # route_done's too
+    assert [type(x).__name__ for x in fast] == ["bytes"] * 8 + ["tuple"] * 2  # route_done's too
     assert all(isinstance(x, tuple) for x in slow)
 
     def unwalled(body: bytes) -> list:
@@ -224,6 +221,6 @@ def test_queries_are_queued_encoded_as_the_writer_would(tmp_path, mode):
             assert frame(got[8:]) == got  # framed: its length and checksum, then the body
             assert unwalled(got[8:]) == unwalled(_reference(it, mode)), it[0]
     rec.flush()  # no writer thread: drained here
-    assert (rec.records, rec.answers) == (9, 7)  # seven laid (six answers), the dict route, the raised one
+    assert (rec.records, rec.answers) == (10, 8)  # eight laid (seven answers), the LoRA route, the raised one
     for r, _ in queues:
         r.stop()
