@@ -253,9 +253,10 @@ has_room(JournalCore *self)
 }
 
 /* Every wake_every records the writer is woken rather than left to its timer: a record
- * keeps what its call was handed and returned alive until written (a query's key source,
- * its answer), and at thousands of queries a second 0.2 s of them was memory no longer
- * in any cache. The applies of a run are copies and count by their bytes: the writer is
+ * queued apart keeps what its call was handed and returned alive until written, and a
+ * record laid encoded (a query's) fills a run's buffer; at thousands of queries a second,
+ * 0.2 s of either was memory no longer in any cache. The applies of a run are copies and
+ * count by their bytes: the writer is
  * woken when the runs not written yet hold wake_bytes. Each wake costs the thread that
  * applies batches the GIL handoffs of the writer's drain; woken every 1024 applies
  * (~2 MB), a burst applied ~5% slower than woken by the timer and by the bytes
@@ -386,7 +387,10 @@ queue_call(JournalCore *self, PyObject *op, PyObject *cargs, PyObject *r, Py_ssi
     PyTuple_SET_ITEM(rec, 4, times);
     if (encoded(self, op, rec)) {
         Py_DECREF(rec);
-        if (counted(self, 1) < 0)
+        /* Counted as records, not bytes: the writer writes a thousand queries' records
+         * while their run's buffer is still one of the kept ones, not a second later from
+         * fresh mappings faulted in on the queries' thread. */
+        if (counted(self, 0) < 0)
             Py_CLEAR(r);
         return r;
     }

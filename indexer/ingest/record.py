@@ -72,8 +72,8 @@ _CALM_RATE = 4 << 20
 # Records are freed one by one as they are written: a chunk of 512 freed at once held the
 # GIL ~0.8 ms (the same probe: 0.7 ms at p99 before, 0.3 ms after).
 _HOLD_S = 50e-6
-# Buffers one writev takes at most (POSIX's IOV_MAX is at least 16; Linux's, 1,024): a
-# drain of queries' records is a frame each (journal.c's encoded).
+# Buffers one writev takes at most: the system's IOV_MAX (Linux's: 1,024), at least
+# POSIX's 16. In ``none`` mode each record laid framed in a run is a frame of its own.
 _IOV_MAX = max(16, min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16, 1024))
 # What the compiled encoder (recquery.c) writes of each record, by op: the arguments as a
 # list and a scalar result (GENERIC), the same with no result (a registration), /query's
@@ -402,10 +402,10 @@ class Recorder:
         framed()
 
     def _frame_run(self, run: Any, bodies: list[bytes], framed: Any, out: list[bytes]) -> None:
-        """Frame the records of ``run`` (applies, and queries laid already framed):
-        by the compiled framer straight to the file, but for what it leaves to the Python
-        encoder (a payload not of the plain GPU shape in ``hashed`` mode; every one in
-        ``none`` mode)."""
+        """Frame the records of ``run`` (applies, records laid framed, the places of records
+        queued apart): by the compiled framer straight to the file, but for what it leaves
+        to the Python encoder (a payload not of the plain GPU shape in ``hashed`` mode; every
+        one in ``none`` mode; a record queued apart, taken from the journal's ``apart``)."""
         self.answers += run.answers
         apart = self.journal.apart if self.journal is not None else None
         i, n = 0, len(run)
