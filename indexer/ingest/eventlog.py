@@ -74,6 +74,10 @@ def headers(engine: str, rank: int, model: str, seq: int, payload: bytes, *, res
     return h
 
 
+# How often a connection attempt looks at its owner's stopping().
+_STOP_POLL_S = 0.05
+
+
 async def connect(url: str, name: str, stopping: Callable[[], bool], *,
                   on_state: Callable[[bool], None] | None = None, **options: Any) -> Client | None:
     """A NATS connection that reconnects for ever; retried until it first connects
@@ -96,10 +100,22 @@ async def connect(url: str, name: str, stopping: Callable[[], bool], *,
 
     delay = 0.1
     while not stopping():
+        # nats.connect itself retries for ever when the server refuses the connection (a
+        # wrong token: max_reconnect_attempts -1 holds for the first connect too), so it
+        # is watched, and cancelled once stopping() turns true: a replica with wrong
+        # credentials otherwise never stopped (its thread outlived stop()'s join).
+        attempt = asyncio.ensure_future(nats.connect(
+            url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.2, connect_timeout=2,
+            allow_reconnect=True, disconnected_cb=disconnected, reconnected_cb=reconnected, error_cb=error,
+            **options))
+        while not attempt.done() and not stopping():
+            await asyncio.wait({attempt}, timeout=_STOP_POLL_S)
+        if not attempt.done():
+            attempt.cancel()
+            await asyncio.gather(attempt, return_exceptions=True)
+            return None
         try:
-            nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.2,
-                                    connect_timeout=2, allow_reconnect=True, disconnected_cb=disconnected,
-                                    reconnected_cb=reconnected, error_cb=error, **options)
+            nc = attempt.result()
         except (OSError, nats.errors.Error, asyncio.TimeoutError) as e:
             log.warning("%s: cannot connect to NATS (%r); retrying", name, e)
             await asyncio.sleep(delay)

@@ -256,6 +256,9 @@ def test_route_sync_uses_the_nats_token_and_without_it_the_replica_is_ready_on_i
         wait_until(lambda: theirs(b, a.origin) == {rid}, 5, msg="authenticated replicas in step")
         (c, rc), = replicas(ns.url, 1, join_timeout_s=1.0)  # no token: refused by the server
         assert rc.counters["join_timeouts"] == 1 and not rc.connected and not theirs(c, a.origin)
+        t = rc._thread
+        rc.stop(timeout=3)  # while the server still refuses it: the connection attempt is cancelled
+        assert t is not None and not t.is_alive()
 
 
 def test_R_SYNC_7_replicas_learn_distinct_tie_slots(natsd):
