@@ -20,8 +20,9 @@
  * From Python a run is a sequence of its records' count: ``len(run)``; ``run.item(i)``
  * is record i as the journal's tuple ``(op, wall, args, result, times)``, for what the
  * compiled framer leaves to the Python encoder (never a record laid stripped, whose
- * payload is already as ``hashed`` mode keeps it: that is the payload it gives), or a
- * query's frame (bytes). */
+ * payload is already as ``hashed`` mode keeps it: that is the payload it gives), a
+ * record's frame (bytes) when it was laid framed, or None in the place of a record queued
+ * apart. */
 #include "journal.h"
 
 #include <sys/mman.h>
@@ -175,6 +176,17 @@ pad8(size_t n)
     return (n + 7) & ~(size_t)7;
 }
 
+/* A record of ``need`` bytes written at the end of the open ``run``: counted in it and in
+ * its journal. */
+static void
+laid(JournalCore *self, ApplyRun *run, size_t need)
+{
+    run->len += need;
+    self->run_bytes += (Py_ssize_t)need;
+    run->count++;
+    self->in_runs++;
+}
+
 /* The apply whose arguments are ``a`` (engine, payload, model, dp_rank, seq, decide) and
  * result ``r`` laid in the open run (``sink``: this call opened the key sink, stripped
  * when it holds every store's keys): 1; 0 not of the shape a run holds (the caller
@@ -258,15 +270,14 @@ kvi_lay_apply(JournalCore *self, long op, PyObject *const *a, PyObject *r, Py_ss
         }
         memcpy(p, src + from, (size_t)PyBytes_GET_SIZE(a[1]) - from);
     }
-    run->len += need;
-    self->run_bytes += (Py_ssize_t)need;
-    run->count++;
-    self->in_runs++;
+    laid(self, run, need);
     return 1;
 }
 
-KVI_HIDDEN int
-kvi_lay_frame(JournalCore *self, const unsigned char *frame, size_t n, int answer)
+/* A record with no fields but ``op`` and ``n`` bytes of payload laid in the open run: 1,
+ * or -1 with an error set. */
+static int
+lay_bare(JournalCore *self, uint8_t op, const unsigned char *payload, size_t n, int answer)
 {
     size_t need = pad8(sizeof(ARec) + n);
     ApplyRun *run = need <= UINT32_MAX ? open_run(self, need) : NULL;
@@ -278,34 +289,26 @@ kvi_lay_frame(JournalCore *self, const unsigned char *frame, size_t n, int answe
     ARec h;
     memset(&h, 0, sizeof h);
     h.size = (uint32_t)need;
-    h.op = AREC_FRAMED;
+    h.op = op;
     h.payload_n = n;
     memcpy(run->buf + run->len, &h, sizeof h);
-    memcpy(run->buf + run->len + sizeof h, frame, n);
-    run->len += need;
-    self->run_bytes += (Py_ssize_t)need;
-    run->count++;
+    if (n)
+        memcpy(run->buf + run->len + sizeof h, payload, n);
     run->answers += answer;
-    self->in_runs++;
+    laid(self, run, need);
     return 1;
+}
+
+KVI_HIDDEN int
+kvi_lay_frame(JournalCore *self, const unsigned char *frame, size_t n, int answer)
+{
+    return lay_bare(self, AREC_FRAMED, frame, n, answer);
 }
 
 KVI_HIDDEN int
 kvi_lay_apart(JournalCore *self)
 {
-    ApplyRun *run = open_run(self, sizeof(ARec));
-    if (run == NULL)
-        return -1;
-    ARec h;
-    memset(&h, 0, sizeof h);
-    h.size = (uint32_t)sizeof(ARec);
-    h.op = AREC_APART;
-    memcpy(run->buf + run->len, &h, sizeof h);
-    run->len += sizeof h;
-    self->run_bytes += (Py_ssize_t)sizeof h;
-    run->count++;
-    self->in_runs++;
-    return 1;
+    return lay_bare(self, AREC_APART, NULL, 0, 0);
 }
 
 KVI_HIDDEN int

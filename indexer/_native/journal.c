@@ -18,6 +18,22 @@
 
 KVI_HIDDEN KeySink kvi_sink;
 
+/* A new collections.deque in ``*dq`` and its append in ``*app`` (what they held before
+ * released): 0, or -1 with an error set. */
+static int
+new_deque(PyObject *coll, PyObject **dq, PyObject **app)
+{
+    PyObject *d = PyObject_CallMethod(coll, "deque", NULL);
+    PyObject *a = d == NULL ? NULL : PyObject_GetAttrString(d, "append");
+    if (a == NULL) {
+        Py_XDECREF(d);
+        return -1;
+    }
+    Py_XSETREF(*dq, d);
+    Py_XSETREF(*app, a);
+    return 0;
+}
+
 static int
 jc_init(JournalCore *self, PyObject *args, PyObject *kwds)
 {
@@ -29,24 +45,11 @@ jc_init(JournalCore *self, PyObject *args, PyObject *kwds)
     PyObject *coll = PyImport_ImportModule("collections");
     if (coll == NULL)
         return -1;
-    PyObject *dq = PyObject_CallMethod(coll, "deque", NULL);
-    PyObject *app = dq == NULL ? NULL : PyObject_GetAttrString(dq, "append");
-    if (app == NULL) {
-        Py_DECREF(coll);
-        Py_XDECREF(dq);
-        return -1;
-    }
-    Py_XSETREF(self->records, dq);
-    Py_XSETREF(self->append, app);
-    dq = PyObject_CallMethod(coll, "deque", NULL);
-    app = dq == NULL ? NULL : PyObject_GetAttrString(dq, "append");
+    int ok = new_deque(coll, &self->records, &self->append) == 0 &&
+             new_deque(coll, &self->apart, &self->apart_append) == 0;
     Py_DECREF(coll);
-    if (app == NULL) {
-        Py_XDECREF(dq);
+    if (!ok)
         return -1;
-    }
-    Py_XSETREF(self->apart, dq);
-    Py_XSETREF(self->apart_append, app);
     Py_INCREF(raw);
     Py_XSETREF(self->raw, raw);
     self->max_pending = max_pending;
