@@ -13,7 +13,7 @@
  * without the GIL (recframe.c's frame_run) and takes the GIL once a run.
  *
  * The other journaled calls' records are laid in the run too, already encoded and framed
- * (kvi_lay_frame, from journal.c's encoded): the payload is the frame, written as it is.
+ * (kvi_lay_body, from journal.c's encoded): the payload is the frame, written as it is.
  * A record queued apart for the writer to encode has its place here (kvi_lay_apart), so
  * it does not seal the run.
  *
@@ -300,9 +300,9 @@ lay_bare(JournalCore *self, uint8_t op, const unsigned char *payload, size_t n, 
 }
 
 KVI_HIDDEN int
-kvi_lay_frame(JournalCore *self, const unsigned char *frame, size_t n, int answer)
+kvi_lay_body(JournalCore *self, const unsigned char *body, size_t n, int answer)
 {
-    return lay_bare(self, AREC_FRAMED, frame, n, answer);
+    return lay_bare(self, AREC_ENCODED, body, n, answer);
 }
 
 KVI_HIDDEN int
@@ -384,8 +384,17 @@ ar_item(ApplyRun *self, PyObject *arg)
         return NULL;
     }
     const ARec *r = kvi_run_rec(self, i);
-    if (r->op == AREC_FRAMED)
-        return PyBytes_FromStringAndSize((const char *)AREC_PAYLOAD(r), (Py_ssize_t)r->payload_n);
+    if (r->op == AREC_ENCODED) { /* framed as recfile.frame frames it: length, checksum, body */
+        size_t n = (size_t)r->payload_n;
+        PyObject *f = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(8 + n));
+        if (f != NULL) {
+            unsigned char *p = (unsigned char *)PyBytes_AS_STRING(f);
+            put_le32(p, (uint32_t)n);
+            put_le32(p + 4, kvi_rec_checksum(AREC_PAYLOAD(r), n));
+            memcpy(p + 8, AREC_PAYLOAD(r), n);
+        }
+        return f;
+    }
     if (r->op == AREC_APART)
         Py_RETURN_NONE;
     PyObject *times = PyTuple_New(r->nt);

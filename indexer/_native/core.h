@@ -81,9 +81,10 @@ typedef struct {
     double wall, ts;
 } ARec;
 
-/* The op of a record laid already framed (journal.c's encoded); its payload is the
- * frame, nothing else is set. The journal's ops are 1 and up. */
-#define AREC_FRAMED 0
+/* The op of a record laid encoded (recquery.c's kvi_lay_record); its payload is the
+ * record's body, which the writer frames (recframe.c); nothing else is set. The
+ * journal's ops are 1 and up. */
+#define AREC_ENCODED 0
 /* The op of the place of a record queued apart, in the journal's ``apart`` queue (the
  * writer takes it from there); nothing else is set. */
 #define AREC_APART 255
@@ -100,7 +101,7 @@ typedef struct {
     unsigned char *buf;  /* the C allocator's */
     size_t len, cap;
     Py_ssize_t count;    /* records in buf */
-    Py_ssize_t answers;  /* the queries' answers among the records laid framed (op AREC_FRAMED) */
+    Py_ssize_t answers;  /* the queries' answers among the records laid encoded (op AREC_ENCODED) */
     Py_ssize_t at_i;     /* a cursor: record at_i begins at byte at_off */
     size_t at_off;
 } ApplyRun;
@@ -238,10 +239,16 @@ get_le32(const unsigned char *p)
 static inline uint64_t
 get_le64(const unsigned char *p)
 {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    uint64_t v;
+    memcpy(&v, p, 8); /* one load: the loop below was ~9 instructions a key (the key memo's copy) */
+    return v;
+#else
     uint64_t v = 0;
     for (int i = 7; i >= 0; i--)
         v = (v << 8) | p[i];
     return v;
+#endif
 }
 
 /* 1: *out holds the key; 0: not an int in [0, 2**64) (use the dict); -1: error. */

@@ -284,9 +284,24 @@ counted(JournalCore *self, int run)
     return 0;
 }
 
-/* A call's record (``encode``, of an op ``kinds`` names) encoded, framed and laid in the
- * open run on the calling thread, as applies are: 1 laid; 0 not (queued as a tuple for
- * the writer, as before).
+/* recquery.c's kind of op's record when it is laid encoded (``encode``, ``kinds``), else -1. */
+static int
+kind_of(JournalCore *self, PyObject *op)
+{
+    if (!self->encode || self->kinds == NULL || !PyBytes_Check(self->kinds) || !PyLong_CheckExact(op))
+        return -1;
+    long code = PyLong_AsLong(op);
+    if (code < 0 || code >= PyBytes_GET_SIZE(self->kinds)) {
+        PyErr_Clear();
+        return -1;
+    }
+    return (int)((unsigned char *)PyBytes_AS_STRING(self->kinds))[code] - 1;
+}
+
+/* The record of the call ``op(*cargs)`` that returned ``r`` (``encode``, of an op
+ * ``kinds`` names), its clock readings from ``base``, encoded and laid in the open run on
+ * the calling thread, as applies are: 1 laid; 0 not (no room: dropped, the journal
+ * overflowed; or queued as a tuple for the writer, as before); -1 error set.
  *
  * Why here and not on the writer: the writer encoded with the GIL held, ~2.5-7 us a
  * query's record and ~1.6 us more to free its objects, cold from the queue, and a
@@ -294,25 +309,23 @@ counted(JournalCore *self, int run)
  * queries a second the service's /query and /v1/route p99 were +22-33% while recorded
  * (bench_record.py --service). Here the answer is warm, its objects are freed with the
  * caller's, the keys are the ones the query hashed (the key memo, core.h), and the
- * writer writes the run without the GIL (recframe.c's frame_run), as it does applies.
- * The small records (a route's end, a count) go in the run too: each one queued apart
- * would seal the run the queries fill. A shape the compiled encoder leaves to Python,
- * or an error while encoding (cleared), leaves the record to the writer. */
+ * writer frames and writes the run without the GIL (recframe.c's frame_run), as it does
+ * applies. Nothing is made for it but its body: not the journal's tuple of the call nor
+ * a float per clock reading (~2k instructions of a ~35k match_plain), and the frame's
+ * checksum is the writer's. The small records (a route's end, a count) go in the run
+ * too: each one queued apart would seal the run the queries fill. A shape the compiled
+ * encoder leaves to Python, or an error while encoding (cleared), leaves the record to
+ * the writer. */
 static int
-encoded(JournalCore *self, PyObject *op, PyObject *rec)
+encoded(JournalCore *self, PyObject *op, PyObject *cargs, PyObject *r, Py_ssize_t base, int *room_)
 {
-    if (!self->encode || self->raised == NULL || self->kinds == NULL || !PyBytes_Check(self->kinds) ||
-        !PyLong_CheckExact(op))
-        return 0;
-    long code = PyLong_AsLong(op);
-    if (code < 0 || code >= PyBytes_GET_SIZE(self->kinds)) {
-        PyErr_Clear();
-        return 0;
-    }
-    int kind = (int)((unsigned char *)PyBytes_AS_STRING(self->kinds))[code] - 1;
+    int kind = self->raised == NULL ? -1 : kind_of(self, op);
     if (kind < 0)
         return 0;
-    int laid = kvi_lay_record(self, rec, kind);
+    if ((*room_ = has_room(self)) <= 0)
+        return *room_;
+    KviCall c = {op, cargs, r, NULL, NULL, kvi_wall_now(), self->times + base, self->nt - base};
+    int laid = kvi_lay_record(self, &c, kind);
     if (laid < 0) {
         PyErr_Clear();
         return 0;
@@ -325,6 +338,18 @@ encoded(JournalCore *self, PyObject *op, PyObject *rec)
 static PyObject *
 queue_call(JournalCore *self, PyObject *op, PyObject *cargs, PyObject *r, Py_ssize_t base)
 {
+    if (r != NULL) {
+        int room_ = 1, laid = encoded(self, op, cargs, r, base, &room_);
+        if (laid != 0 || room_ == 0) { /* laid (or an error), or no room: not queued */
+            /* Counted as records, not bytes: the writer writes a thousand queries' records
+             * while their run's buffer is still one of the kept ones, not a second later
+             * from fresh mappings faulted in on the queries' thread. */
+            self->nt = base;
+            if (laid < 0 || room_ < 0 || (laid > 0 && counted(self, 0) < 0))
+                Py_CLEAR(r);
+            return r;
+        }
+    }
     PyObject *times = PyTuple_New(self->nt - base);
     if (times == NULL) {
         Py_XDECREF(r);
@@ -388,15 +413,6 @@ queue_call(JournalCore *self, PyObject *op, PyObject *cargs, PyObject *r, Py_ssi
     PyTuple_SET_ITEM(rec, 2, cargs);
     PyTuple_SET_ITEM(rec, 3, r);
     PyTuple_SET_ITEM(rec, 4, times);
-    if (encoded(self, op, rec)) {
-        Py_DECREF(rec);
-        /* Counted as records, not bytes: the writer writes a thousand queries' records
-         * while their run's buffer is still one of the kept ones, not a second later from
-         * fresh mappings faulted in on the queries' thread. */
-        if (counted(self, 0) < 0)
-            Py_CLEAR(r);
-        return r;
-    }
     /* Queued apart, for the writer: with encode, its place laid in the run (which goes on
      * filling); else after the run, sealed. */
     if (self->encode ? kvi_lay_apart(self) < 0 : kvi_seal(self) < 0) {

@@ -64,15 +64,26 @@ KVI_HIDDEN double kvi_wall_now(void);
 /* The apply whose arguments are ``a`` and result ``r`` laid in the open run (applyrun.c):
  * 1; 0 not of the shape a run holds; -1 out of memory. */
 KVI_HIDDEN int kvi_lay_apply(JournalCore *self, long op, PyObject *const *a, PyObject *r, Py_ssize_t base, int sink);
-/* A record already framed (``n`` bytes at ``frame``; ``answer``: a query's answer, counted)
- * laid in the open run (applyrun.c): 1, or -1 out of memory. */
-KVI_HIDDEN int kvi_lay_frame(JournalCore *self, const unsigned char *frame, size_t n, int answer);
+/* A record's body, encoded (``n`` bytes at ``body``; ``answer``: a query's answer,
+ * counted), laid in the open run (applyrun.c): 1, or -1 out of memory. */
+KVI_HIDDEN int kvi_lay_body(JournalCore *self, const unsigned char *body, size_t n, int answer);
 /* The place of a record queued apart (``apart``) laid in the open run (applyrun.c): 1,
  * or -1 out of memory. */
 KVI_HIDDEN int kvi_lay_apart(JournalCore *self);
-/* The journal record ``item`` of recquery.c's ``kind`` encoded as the writer would, framed
- * and laid in the open run (recquery.c): 1; 0 a shape left to the writer; -1 error set. */
-KVI_HIDDEN int kvi_lay_record(JournalCore *self, PyObject *item, int kind);
+/* A journaled call as the journal has it: its op, arguments and result, and its wall
+ * clock and clock readings either as the journal's tuple holds them (``wall_o``,
+ * ``times_o``) or, those NULL, as doubles. */
+typedef struct {
+    PyObject *op, *args, *result;
+    PyObject *wall_o, *times_o;
+    double wall;
+    const double *times;
+    Py_ssize_t nt;
+} KviCall;
+/* The call ``c``'s record of recquery.c's ``kind`` encoded as the writer would and laid in
+ * the open run, its frame's head the writer's (recquery.c): 1; 0 a shape left to the
+ * writer; -1 error set. */
+KVI_HIDDEN int kvi_lay_record(JournalCore *self, const KviCall *c, int kind);
 /* Buffers kept for runs holding ``bytes`` (applyrun.c): 0, or -1 out of memory. */
 KVI_HIDDEN int kvi_journal_stock(JournalCore *self, Py_ssize_t bytes);
 

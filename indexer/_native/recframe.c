@@ -121,8 +121,14 @@ frame_apply(const ARec *a, int hashed, uint64_t seed, Out *out, Out *pl, Out *sc
 {
     const unsigned char *payload = AREC_PAYLOAD(a);
     size_t payload_n = (size_t)a->payload_n;
-    if (a->op == AREC_FRAMED) /* a record framed when it was laid */
+    if (a->op == AREC_ENCODED) { /* a record encoded when it was laid: its body, framed here */
+        if (!room(out, 8 + payload_n))
+            return -1;
+        put_le32(out->buf + out->len, (uint32_t)payload_n);
+        put_le32(out->buf + out->len + 4, kvi_rec_checksum(payload, payload_n));
+        out->len += 8;
         return put(out, payload, payload_n) ? 1 : -1;
+    }
     if (a->op == AREC_APART) /* a record queued apart: the writer's, in Python */
         return 0;
     if (hashed && !a->stripped) {

@@ -26,17 +26,131 @@ enum { K_NOTE, K_GENERIC, K_GENERIC_NONE, K_MATCH_PLAIN = KVI_REC_MATCH_PLAIN, K
 
 /* ------------------------------------------------------------------ values */
 
+/* An exact int's value when it is one digit or none (counts, ranks, depths: most): 1;
+ * else 0 (PyLong's own reading). */
+static inline int
+small_long(PyObject *x, int64_t *v)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    if (!PyUnstable_Long_IsCompact((PyLongObject *)x))
+        return 0;
+    *v = (int64_t)PyUnstable_Long_CompactValue((PyLongObject *)x);
+    return 1;
+#else
+    Py_ssize_t size = Py_SIZE(x);
+    if (size < -1 || size > 1)
+        return 0;
+    *v = size == 0 ? 0 : (int64_t)size * (int64_t)((PyLongObject *)x)->ob_digit[0]; /* zero's digit is not read */
+    return 1;
+#endif
+}
+
+/* The tuples of this record's encoding that hold a tuple, with where their bytes are
+ * (``o`` the buffer): an answer repeats its stop's tuples in each of its workers
+ * (answers.c: the tier and group items), written again from here. The journal's objects
+ * live while their record is encoded (the GIL held, no Python run), so an address is one
+ * object; encode_in empties it. */
+#define MEMO_N 16
+static struct {
+    const Out *o;
+    unsigned n;
+    PyObject *x[MEMO_N];
+    size_t at[MEMO_N], len[MEMO_N];
+} memo;
+
+/* Whether the tuple ``x`` holds a tuple or a list. */
+static inline int
+nests(PyObject *x)
+{
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(x); i++) {
+        PyTypeObject *t = Py_TYPE(PyTuple_GET_ITEM(x, i));
+        if (t == &PyList_Type || PyType_FastSubclass(t, Py_TPFLAGS_TUPLE_SUBCLASS))
+            return 1;
+    }
+    return 0;
+}
+
+/* ``x``'s bytes again when this record wrote it to ``o`` already: 1; 0 not; -1 out of memory. */
+static int
+memo_put(Out *o, PyObject *x)
+{
+    if (memo.o != o)
+        return 0;
+    unsigned n = memo.n < MEMO_N ? memo.n : MEMO_N;
+    for (unsigned i = 0; i < n; i++)
+        if (memo.x[i] == x) {
+            size_t at = memo.at[i], len = memo.len[i];
+            if (!room(o, len))
+                return -1;
+            memcpy(o->buf + o->len, o->buf + at, len); /* after room: the buffer may have moved */
+            o->len += len;
+            return 1;
+        }
+    return 0;
+}
+
+static void
+memo_add(const Out *o, PyObject *x, size_t at)
+{
+    if (memo.o != o) {
+        memo.o = o;
+        memo.n = 0;
+    }
+    unsigned i = memo.n++ % MEMO_N;
+    memo.x[i] = x;
+    memo.at[i] = at;
+    memo.len[i] = o->len - at;
+}
+
+/* ``x`` when it is a float, a one-digit int, None, a bool or an ASCII string (most of an
+ * answer's values), written here, inlined in the loops: 1; 0 another kind (w_obj's); -1
+ * out of memory. */
+static inline int
+w_leaf(Out *o, PyObject *x)
+{
+    PyTypeObject *t = Py_TYPE(x);
+    int64_t v;
+    if (t == &PyFloat_Type)
+        return w_f64(o, PyFloat_AS_DOUBLE(x)) ? 1 : -1;
+    if (t == &PyLong_Type)
+        return !small_long(x, &v) ? 0 : w_int(o, v) ? 1 : -1;
+    if (t == &PyUnicode_Type)
+        return !PyUnicode_IS_COMPACT_ASCII(x) ? 0
+             : w_str(o, (const char *)((PyASCIIObject *)x + 1), (size_t)PyUnicode_GET_LENGTH(x)) ? 1 : -1;
+    if (x == Py_None)
+        return w_nil(o) ? 1 : -1;
+    if (t == &PyBool_Type)
+        return w_bool(o, x == Py_True) ? 1 : -1;
+    return 0;
+}
+
 /* ``x`` as msgspec encodes it, for the types a record holds (None, bool, int, float,
  * str, bytes, tuples and their subclasses, lists, dicts): 1; 0 any other (the record
- * is left to Python); -1 out of memory. */
+ * is left to Python); -1 out of memory. The commonest types are tried first, each by its
+ * type's address; an int of one digit and an ASCII string are read in place (through
+ * PyLong and PyUnicode's functions, each value of a route's answer cost ~60
+ * instructions). */
 static int
 w_obj(Out *o, PyObject *x, int depth)
 {
-    if (x == Py_None)
-        return w_nil(o) ? 1 : -1;
-    if (x == Py_True || x == Py_False)
-        return w_bool(o, x == Py_True) ? 1 : -1;
-    if (PyLong_CheckExact(x)) {
+    PyTypeObject *t = Py_TYPE(x);
+    if (t == &PyFloat_Type)
+        return w_f64(o, PyFloat_AS_DOUBLE(x)) ? 1 : -1;
+    if (t == &PyUnicode_Type) {
+        if (PyUnicode_IS_COMPACT_ASCII(x))
+            return w_str(o, (const char *)((PyASCIIObject *)x + 1), (size_t)PyUnicode_GET_LENGTH(x)) ? 1 : -1;
+        Py_ssize_t n;
+        const char *s = PyUnicode_AsUTF8AndSize(x, &n);
+        if (s == NULL) {
+            PyErr_Clear(); /* a lone surrogate: msgspec's error, in Python */
+            return 0;
+        }
+        return w_str(o, s, (size_t)n) ? 1 : -1;
+    }
+    if (t == &PyLong_Type) {
+        int64_t small;
+        if (small_long(x, &small))
+            return w_int(o, small) ? 1 : -1;
         int of;
         long long v = PyLong_AsLongLongAndOverflow(x, &of);
         if (of == 0)
@@ -50,41 +164,48 @@ w_obj(Out *o, PyObject *x, int depth)
         }
         return put_be(o, 0xcf, u, 8) ? 1 : -1;
     }
-    if (PyFloat_CheckExact(x))
-        return w_f64(o, PyFloat_AS_DOUBLE(x)) ? 1 : -1;
-    if (PyUnicode_CheckExact(x)) {
-        Py_ssize_t n;
-        const char *s = PyUnicode_AsUTF8AndSize(x, &n);
-        if (s == NULL) {
-            PyErr_Clear(); /* a lone surrogate: msgspec's error, in Python */
-            return 0;
-        }
-        return w_str(o, s, (size_t)n) ? 1 : -1;
-    }
-    if (PyBytes_CheckExact(x))
+    if (x == Py_None)
+        return w_nil(o) ? 1 : -1;
+    if (t == &PyBool_Type)
+        return w_bool(o, x == Py_True) ? 1 : -1;
+    if (t == &PyBytes_Type)
         return w_bin(o, PyBytes_AS_STRING(x), (size_t)PyBytes_GET_SIZE(x)) ? 1 : -1;
     if (depth >= DEPTH_MAX)
         return 0;
-    if (PyTuple_Check(x) || PyList_CheckExact(x)) { /* a NamedTuple is an array to msgspec */
+    if (t == &PyList_Type || PyTuple_Check(x)) { /* a NamedTuple is an array to msgspec */
         Py_ssize_t n = PySequence_Fast_GET_SIZE(x);
+        int shared = t != &PyList_Type && depth >= 2 && n <= 4 && nests(x); /* a stop's, not a worker's */
+        if (shared) {
+            int r = memo_put(o, x);
+            if (r != 0)
+                return r;
+        }
+        size_t at = o->len;
         if (!w_arr(o, (uint32_t)n))
             return -1;
         for (Py_ssize_t i = 0; i < n; i++) {
             /* a list's items are read again each time: a value's encoding runs no Python */
-            int r = w_obj(o, PySequence_Fast_GET_ITEM(x, i), depth + 1);
+            PyObject *item = PySequence_Fast_GET_ITEM(x, i);
+            int r = w_leaf(o, item);
+            if (r == 0)
+                r = w_obj(o, item, depth + 1);
             if (r <= 0)
                 return r;
         }
+        if (shared)
+            memo_add(o, x, at);
         return 1;
     }
-    if (PyDict_CheckExact(x)) {
+    if (t == &PyDict_Type) {
         if (!w_map(o, (uint32_t)PyDict_GET_SIZE(x)))
             return -1;
         Py_ssize_t pos = 0;
         PyObject *k, *v;
         while (PyDict_Next(x, &pos, &k, &v)) {
-            int r = w_obj(o, k, depth + 1);
-            if (r > 0)
+            int r = w_leaf(o, k);
+            if (r == 0)
+                r = w_obj(o, k, depth + 1);
+            if (r > 0 && (r = w_leaf(o, v)) == 0)
                 r = w_obj(o, v, depth + 1);
             if (r <= 0)
                 return r;
@@ -103,10 +224,10 @@ w_u64(Out *o, uint64_t u)
 /* ------------------------------------------------------------------ prompts */
 
 /* recops._query of a prompt with no namespace (seed ``seed``): ``{"n": ntok, "k": {bs:
- * keys}}`` for each block size of ``sizes`` (a tuple, or a dict's keys), or ``{"n":
- * ntok}`` unless ``hashed``. 1, 0, -1 as w_obj. */
+ * keys}}`` for each of the ``nsz`` block sizes ``bss``, or ``{"n": ntok}`` unless
+ * ``hashed``. 1, 0, -1 as w_obj. */
 static int
-w_prompt(Out *o, PyObject *buf, PyObject *sizes, int hashed, uint64_t seed)
+w_prompt(Out *o, PyObject *buf, const Py_ssize_t *bss, Py_ssize_t nsz, int hashed, uint64_t seed)
 {
     if (!PyBytes_CheckExact(buf))
         return 0;
@@ -115,28 +236,11 @@ w_prompt(Out *o, PyObject *buf, PyObject *sizes, int hashed, uint64_t seed)
         return -1;
     if (!hashed)
         return 1;
-    Py_ssize_t nsz = PyTuple_Check(sizes) ? PyTuple_GET_SIZE(sizes) : PyDict_GET_SIZE(sizes);
     if (!w_str(o, "k", 1) || !w_map(o, (uint32_t)nsz))
         return -1;
-    Py_ssize_t pos = 0, i = 0;
-    PyObject *bs_o, *ignored;
     const char *p = PyBytes_AS_STRING(buf);
-    for (;;) {
-        if (PyTuple_Check(sizes)) {
-            if (i >= nsz)
-                break;
-            bs_o = PyTuple_GET_ITEM(sizes, i++);
-        }
-        else if (!PyDict_Next(sizes, &pos, &bs_o, &ignored))
-            break;
-        if (!PyLong_CheckExact(bs_o))
-            return 0;
-        Py_ssize_t bs = PyLong_AsSsize_t(bs_o);
-        if (bs <= 0) {
-            PyErr_Clear();
-            return 0;
-        }
-        Py_ssize_t n = ntok / bs;
+    for (Py_ssize_t i = 0; i < nsz; i++) {
+        Py_ssize_t bs = bss[i], n = ntok / bs;
         size_t step = (size_t)bs * 4;
         if (!w_int(o, bs) || !w_bin_head(o, (size_t)n * 8) || !room(o, (size_t)n * 8))
             return -1;
@@ -155,6 +259,34 @@ w_prompt(Out *o, PyObject *buf, PyObject *sizes, int hashed, uint64_t seed)
     return 1;
 }
 
+#define SIZES_MAX 16
+
+/* The block sizes of ``sizes`` (a tuple of ints, or a dict's int keys) to ``bss``: their
+ * count; -1 a size not a positive int or more than SIZES_MAX (the Python encoder's). */
+static Py_ssize_t
+sizes_of(PyObject *sizes, Py_ssize_t bss[SIZES_MAX])
+{
+    Py_ssize_t n = 0, pos = 0;
+    PyObject *bs_o, *ignored;
+    int tuple = PyTuple_Check(sizes);
+    for (;;) {
+        if (tuple) {
+            if (n >= PyTuple_GET_SIZE(sizes))
+                break;
+            bs_o = PyTuple_GET_ITEM(sizes, n);
+        }
+        else if (!PyDict_Next(sizes, &pos, &bs_o, &ignored))
+            break;
+        Py_ssize_t bs = n < SIZES_MAX && PyLong_CheckExact(bs_o) ? PyLong_AsSsize_t(bs_o) : -1;
+        if (bs <= 0) {
+            PyErr_Clear();
+            return -1;
+        }
+        bss[n++] = bs;
+    }
+    return n;
+}
+
 /* ------------------------------------------------------------------ answers */
 
 /* recops._answer: ``[body, xxh64(body), summary]`` (body nil past MAX_KEPT_ANSWER), the
@@ -170,26 +302,77 @@ w_answer(Out *o, const Out *body, const Out *sum)
     return 1;
 }
 
+/* The attribute and key names a record reads, interned once: PyObject_GetAttrString and
+ * PyDict_GetItemString made, hashed and looked up a new string at each call (~4k of a
+ * route record's ~50k instructions). */
+enum { N_LORA, N_SALT, N_EXTRA, N_BUF, N_SIZES, N_CACHE, N_SCORE, N_WORKER, N_ENGINE, N_DP_RANK, N_COST, N_NAMES };
+static const char *const name_str[N_NAMES] = {"lora_name", "cache_salt", "extra_keys", "buf", "sizes", "cache",
+                                              "score", "worker", "engine", "dp_rank", "cost"};
+static PyObject *name_obj[N_NAMES];
+
+static PyObject *
+name(int i)
+{
+    if (name_obj[i] == NULL)
+        name_obj[i] = PyUnicode_InternFromString(name_str[i]);
+    return name_obj[i];
+}
+
+/* ``o.<name i>``: a new reference, or NULL with an error set. */
+static PyObject *
+attr(PyObject *o, int i)
+{
+    PyObject *n = name(i);
+    return n == NULL ? NULL : PyObject_GetAttr(o, n);
+}
+
+/* The answer's summary of its best worker (a WorkerMatch): ``[f"{engine}/{dp_rank}",
+ * best.score]``. 1, 0, -1 as w_obj. */
+static int
+w_best(Out *sum, PyObject *best)
+{
+    if (!PyTuple_Check(best) || PyTuple_GET_SIZE(best) < 4)
+        return 0;
+    PyObject *engine = PyTuple_GET_ITEM(best, 2), *rank = PyTuple_GET_ITEM(best, 3);
+    int64_t rv;
+    if (!PyUnicode_CheckExact(engine) || !PyUnicode_IS_COMPACT_ASCII(engine) || !PyLong_CheckExact(rank) ||
+        !small_long(rank, &rv))
+        return 0; /* "%S/%S" of anything else: the Python encoder's */
+    char digits[24]; /* str(dp_rank) */
+    int nd = 0;
+    uint64_t mag = rv < 0 ? 0 - (uint64_t)rv : (uint64_t)rv;
+    do
+        digits[sizeof digits - 1 - nd++] = (char)('0' + mag % 10);
+    while ((mag /= 10) != 0);
+    if (rv < 0)
+        digits[sizeof digits - 1 - nd++] = '-';
+    size_t ne = (size_t)PyUnicode_GET_LENGTH(engine);
+    if (!w_arr(sum, 2) || !w_str_head(sum, ne + 1 + (size_t)nd) || !put(sum, (PyASCIIObject *)engine + 1, ne) ||
+        !put(sum, "/", 1) || !put(sum, digits + sizeof digits - nd, (size_t)nd))
+        return -1;
+    PyObject *score = attr(best, N_SCORE);
+    int r = score == NULL ? -1 : w_obj(sum, score, 0);
+    Py_XDECREF(score);
+    return r;
+}
+
 /* MATCH_PLAIN: ``args`` (buf, model, _), ``result`` a MatchResult or None. */
 static int
 w_match_plain(Out *o, Out *body, Out *sum, PyObject *args, PyObject *result, int hashed, uint64_t seed)
 {
     if (!PyTuple_CheckExact(args) || PyTuple_GET_SIZE(args) != 3)
         return 0;
-    PyObject *sizes = PyTuple_New(0), *bs = NULL;
-    if (sizes == NULL)
-        return -1;
+    Py_ssize_t bs = 0;
     if (result != Py_None) {
-        if (!PyTuple_Check(result) || PyTuple_GET_SIZE(result) != 6 || !PyLong_CheckExact(bs = PyTuple_GET_ITEM(result, 1))) {
-            Py_DECREF(sizes);
+        if (!PyTuple_Check(result) || PyTuple_GET_SIZE(result) != 6 || !PyLong_CheckExact(PyTuple_GET_ITEM(result, 1)))
+            return 0;
+        bs = PyLong_AsSsize_t(PyTuple_GET_ITEM(result, 1));
+        if (bs <= 0) {
+            PyErr_Clear();
             return 0;
         }
-        Py_SETREF(sizes, PyTuple_Pack(1, bs));
-        if (sizes == NULL)
-            return -1;
     }
-    int r = w_arr(o, 2) ? w_prompt(o, PyTuple_GET_ITEM(args, 0), sizes, hashed, seed) : -1;
-    Py_DECREF(sizes);
+    int r = w_arr(o, 2) ? w_prompt(o, PyTuple_GET_ITEM(args, 0), &bs, bs ? 1 : 0, hashed, seed) : -1;
     if (r > 0)
         r = w_obj(o, PyTuple_GET_ITEM(args, 1), 0);
     if (r <= 0 || result == Py_None)
@@ -197,30 +380,9 @@ w_match_plain(Out *o, Out *body, Out *sum, PyObject *args, PyObject *result, int
     if ((r = w_obj(body, result, 0)) <= 0)
         return r;
     PyObject *best = PyTuple_GET_ITEM(result, 4);
-    if (best == Py_None) {
-        if (!w_nil(sum))
-            return -1;
-    }
-    else {
-        if (!PyTuple_Check(best) || PyTuple_GET_SIZE(best) < 4)
-            return 0;
-        PyObject *name = PyUnicode_FromFormat("%S/%S", PyTuple_GET_ITEM(best, 2), PyTuple_GET_ITEM(best, 3));
-        PyObject *score = name == NULL ? NULL : PyObject_GetAttrString(best, "score");
-        r = score == NULL ? -1 : w_arr(sum, 2) ? w_obj(sum, name, 0) : -1;
-        if (r > 0)
-            r = w_obj(sum, score, 0);
-        Py_XDECREF(name);
-        Py_XDECREF(score);
-        if (r <= 0)
-            return r;
-    }
+    if (best == Py_None ? !w_nil(sum) : (r = w_best(sum, best)) <= 0)
+        return best == Py_None ? -1 : r;
     return w_answer(o, body, sum);
-}
-
-static PyObject *
-attr(PyObject *o, const char *name)
-{
-    return PyObject_GetAttrString(o, name);
 }
 
 /* ROUTE's arguments (recops.encode_call): the prompt, the model, the load as [prefill,
@@ -236,9 +398,9 @@ w_route_call(Out *o, PyObject *args, int hashed, uint64_t seed)
     if ((load != Py_None && !PyDict_CheckExact(load)) || (link != Py_None && !PyDict_CheckExact(link)) ||
         (cands != Py_None && !PyList_CheckExact(cands) && !PyTuple_CheckExact(cands)))
         return 0;
-    PyObject *lora = attr(src, "lora_name"), *salt = lora ? attr(src, "cache_salt") : NULL,
-             *extra = salt ? attr(src, "extra_keys") : NULL, *buf = extra ? attr(src, "buf") : NULL,
-             *sizes = buf ? attr(src, "sizes") : NULL, *cache = sizes ? attr(src, "cache") : NULL;
+    PyObject *lora = attr(src, N_LORA), *salt = lora ? attr(src, N_SALT) : NULL,
+             *extra = salt ? attr(src, N_EXTRA) : NULL, *buf = extra ? attr(src, N_BUF) : NULL,
+             *sizes = buf ? attr(src, N_SIZES) : NULL, *cache = sizes ? attr(src, N_CACHE) : NULL;
     int r = -1;
     if (cache == NULL) {
         PyErr_Clear(); /* not a KeySource: the Python encoder's */
@@ -251,10 +413,13 @@ w_route_call(Out *o, PyObject *args, int hashed, uint64_t seed)
     r = 0;
     if (named || extras || salt != Py_None || !PyTuple_Check(sizes) || !PyDict_CheckExact(cache))
         goto done; /* a namespaced prompt's seeds are the Python encoder's */
+    Py_ssize_t bss[SIZES_MAX], nsz = sizes_of(PyTuple_GET_SIZE(sizes) ? sizes : cache, bss);
+    if (nsz < 0)
+        goto done;
     r = -1;
     if (!w_arr(o, 9))
         goto done;
-    if ((r = w_prompt(o, buf, PyTuple_GET_SIZE(sizes) ? sizes : cache, hashed, seed)) <= 0 ||
+    if ((r = w_prompt(o, buf, bss, nsz, hashed, seed)) <= 0 ||
         (r = w_obj(o, PyTuple_GET_ITEM(args, 1), 0)) <= 0)
         goto done;
     r = -1;
@@ -382,11 +547,12 @@ w_route_answer(Out *o, Out *body, Out *sum, PyObject *result)
              *best = PyTuple_GET_ITEM(ranking, 2);
     if (!json && !PyDict_CheckExact(head))
         return 0;
-    static const char *const names[5] = {"worker", "engine", "dp_rank", "score", "cost"};
+    static const int names[5] = {N_WORKER, N_ENGINE, N_DP_RANK, N_SCORE, N_COST};
     PyObject *h[5] = {NULL, NULL, NULL, NULL, NULL};
     int r = 0, err = 0;
     for (int i = 0; i < 5; i++) {
-        h[i] = json ? attr(head, names[i]) : Py_XNewRef(PyDict_GetItemString(head, names[i]));
+        PyObject *n = name(names[i]);
+        h[i] = n == NULL ? NULL : json ? PyObject_GetAttr(head, n) : Py_XNewRef(PyDict_GetItemWithError(head, n));
         if (h[i] == NULL) {
             r = PyErr_Occurred() ? -1 : 0;
             goto done;
@@ -413,7 +579,7 @@ w_route_answer(Out *o, Out *body, Out *sum, PyObject *result)
             goto done;
         for (int i = 0; i < 5; i++) {
             r = -1;
-            if (!w_str(body, names[i], strlen(names[i])) || (r = w_obj(body, h[i], 0)) <= 0)
+            if (!w_str(body, name_str[names[i]], strlen(name_str[names[i]])) || (r = w_obj(body, h[i], 0)) <= 0)
                 goto done;
         }
         r = -1;
@@ -449,25 +615,30 @@ done:
 
 /* ------------------------------------------------------------------ the record */
 
-/* The record ``item`` (journal.py's tuple: ``(op, wall, args, result, times)``, or a
- * note's ``("note", wall, kind, engine, rank, detail)``) of kind ``kind`` to ``o``: 1, 0, -1
- * as w_obj. ``body`` and ``sum``: scratch for an answer. */
+/* The call ``c``'s record, of kind ``kind`` (not a note), to ``o``: 1, 0, -1 as w_obj.
+ * ``body`` and ``sum``: scratch for an answer. */
 static int
-w_record(Out *o, Out *body, Out *sum, PyObject *item, int kind, int hashed, uint64_t seed, PyObject *raised)
+w_call(Out *o, Out *body, Out *sum, const KviCall *c, int kind, int hashed, uint64_t seed, PyObject *raised)
 {
-    if (kind == K_NOTE)
-        return PyTuple_CheckExact(item) ? w_obj(o, item, 0) : 0;
-    if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 5)
-        return 0;
-    PyObject *args = PyTuple_GET_ITEM(item, 2), *result = PyTuple_GET_ITEM(item, 3);
+    PyObject *args = c->args, *result = c->result;
     if (PyObject_TypeCheck(result, (PyTypeObject *)raised))
         return 0;
-    if (!w_arr(o, 5))
-        return -1;
     int r;
-    for (int i = 0; i < 3; i++) /* op, wall, the clock readings */
-        if ((r = w_obj(o, PyTuple_GET_ITEM(item, i == 2 ? 4 : i), 0)) <= 0)
+    if (!w_arr(o, 5) || (r = w_obj(o, c->op, 0)) < 0)
+        return -1;
+    if (r == 0)
+        return 0;
+    if (c->wall_o != NULL) { /* the tuple's */
+        if ((r = w_obj(o, c->wall_o, 0)) <= 0 || (r = w_obj(o, c->times_o, 0)) <= 0)
             return r;
+    }
+    else {
+        int ok = w_f64(o, c->wall) && w_arr(o, (uint32_t)c->nt);
+        for (Py_ssize_t i = 0; ok && i < c->nt; i++)
+            ok = w_f64(o, c->times[i]);
+        if (!ok)
+            return -1;
+    }
     switch (kind) {
     case K_MATCH_PLAIN:
         return w_match_plain(o, body, sum, args, result, hashed, seed);
@@ -488,6 +659,21 @@ w_record(Out *o, Out *body, Out *sum, PyObject *item, int kind, int hashed, uint
     return 0;
 }
 
+/* The record ``item`` (journal.py's tuple: ``(op, wall, args, result, times)``, or a
+ * note's ``("note", wall, kind, engine, rank, detail)``) of kind ``kind`` to ``o``: 1, 0, -1
+ * as w_obj. */
+static int
+w_record(Out *o, Out *body, Out *sum, PyObject *item, int kind, int hashed, uint64_t seed, PyObject *raised)
+{
+    if (kind == K_NOTE)
+        return PyTuple_CheckExact(item) ? w_obj(o, item, 0) : 0;
+    if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 5)
+        return 0;
+    KviCall c = {PyTuple_GET_ITEM(item, 0), PyTuple_GET_ITEM(item, 2), PyTuple_GET_ITEM(item, 3),
+                 PyTuple_GET_ITEM(item, 1), PyTuple_GET_ITEM(item, 4), 0.0, NULL, 0};
+    return w_call(o, body, sum, &c, kind, hashed, seed, raised);
+}
+
 PyDoc_STRVAR(encode_record_doc,
 "encode_record(item, kind, hashed, seed, raised) -> bytes | None\n\n"
 "The msgpack body of the journal's record `item` of `kind` (0 note, 1 generic,\n"
@@ -495,14 +681,15 @@ PyDoc_STRVAR(encode_record_doc,
 "byte the Python encoder's (record.py); None: a shape left to it. `hashed`: prompts\n"
 "as block keys (seed `seed`), else as their length. `raised`: journal.Raised.");
 
-/* Encode ``item`` (w_record) in the kept buffers ``keep`` (or, called again while they are
- * in use, in ``local``): ``*out`` is where the body is, from byte ``at``; release with
- * done_with. ``at`` 8 leaves room for the frame's head. 1, 0, -1 as w_record. */
+/* Encode ``item`` (w_record), or the call ``c`` (w_call), in the kept buffers ``keep`` (or,
+ * called again while they are in use, in ``local``): ``*out`` is where the body is;
+ * release with done_with. 1, 0, -1 as w_record. */
 static Out keep[3];
 static int busy;
 
 static int
-encode_in(Out local[3], Out **out, size_t at, PyObject *item, int kind, int hashed, uint64_t seed, PyObject *raised)
+encode_in(Out local[3], Out **out, PyObject *item, const KviCall *c, int kind, int hashed, uint64_t seed,
+          PyObject *raised)
 {
     /* The GIL held; no Python runs while the buffers are in use but attribute reads of
      * the index's own types. */
@@ -510,11 +697,10 @@ encode_in(Out local[3], Out **out, size_t at, PyObject *item, int kind, int hash
     busy = 1;
     for (int i = 0; i < 3; i++)
         o[i].len = 0;
+    memo.o = NULL; /* another record's (or, nested, the outer one's: it is written again then) */
     *out = o;
-    if (at && !room(&o[0], at))
-        return -1;
-    o[0].len = at;
-    return w_record(&o[0], &o[1], &o[2], item, kind, hashed, seed, raised);
+    return c != NULL ? w_call(&o[0], &o[1], &o[2], c, kind, hashed, seed, raised)
+                     : w_record(&o[0], &o[1], &o[2], item, kind, hashed, seed, raised);
 }
 
 static void
@@ -540,7 +726,7 @@ static PyObject *
 encode_bytes(PyObject *item, int kind, int hashed, uint64_t seed, PyObject *raised)
 {
     Out local[3] = {{0}}, *o;
-    int r = encode_in(local, &o, 0, item, kind, hashed, seed, raised);
+    int r = encode_in(local, &o, item, NULL, kind, hashed, seed, raised);
     PyObject *out = r > 0 ? PyBytes_FromStringAndSize((const char *)o[0].buf, (Py_ssize_t)o[0].len)
                   : r == 0 ? Py_NewRef(Py_None) : (PyErr_Occurred() ? NULL : PyErr_NoMemory());
     done_with(o, local);
@@ -548,17 +734,12 @@ encode_bytes(PyObject *item, int kind, int hashed, uint64_t seed, PyObject *rais
 }
 
 KVI_HIDDEN int
-kvi_lay_record(JournalCore *j, PyObject *item, int kind)
+kvi_lay_record(JournalCore *j, const KviCall *c, int kind)
 {
     Out local[3] = {{0}}, *o;
-    int r = encode_in(local, &o, 8, item, kind, j->strip, (uint64_t)j->seed, j->raised);
-    if (r > 0) { /* framed as recfile.frame frames it: length, checksum, body */
-        size_t n = o[0].len - 8;
-        put_le32(o[0].buf, (uint32_t)n);
-        put_le32(o[0].buf + 4, kvi_rec_checksum(o[0].buf + 8, n));
-        r = kvi_lay_frame(j, o[0].buf, o[0].len,
-                          (kind == K_MATCH_PLAIN || kind == K_ROUTE) && PyTuple_GET_ITEM(item, 3) != Py_None);
-    }
+    int r = encode_in(local, &o, NULL, c, kind, j->strip, (uint64_t)j->seed, j->raised);
+    if (r > 0) /* the body: the writer frames it (recframe.c) */
+        r = kvi_lay_body(j, o[0].buf, o[0].len, (kind == K_MATCH_PLAIN || kind == K_ROUTE) && c->result != Py_None);
     else if (r < 0 && !PyErr_Occurred())
         PyErr_NoMemory();
     done_with(o, local);

@@ -224,3 +224,34 @@ def test_queries_are_queued_encoded_as_the_writer_would(tmp_path, mode):
     assert (rec.records, rec.answers) == (10, 8)  # eight laid (seven answers), the LoRA route, the raised one
     for r, _ in queues:
         r.stop()
+
+
+def test_values_read_in_place_are_the_python_encoders():
+    """Ints of one digit and ASCII strings are read in place (recquery.c's small_long and
+    w_leaf), the rest through Python's functions: every width and sign on both sides of
+    each boundary, in a list, a tuple and a dict, writes what msgspec writes."""
+    ints = [0, 1, -1, 31, -32, -33, 127, 128, 255, 256, (1 << 15) - 1, 1 << 15, (1 << 16), (1 << 30) - 1, 1 << 30,
+            -(1 << 30) + 1, -(1 << 30), (1 << 31), -(1 << 31) - 1, (1 << 32), (1 << 62), (1 << 63) - 1, -(1 << 63),
+            1 << 63, (1 << 64) - 1]
+    strs = ["", "a", "x" * 31, "x" * 32, "x" * 255, "x" * 256, "é", "engine-é", "\u4e16\u754c"]
+    values = [ints, tuple(ints), {str(i): i for i in ints}, strs, {s: s for s in strs}, [1.5, -0.0, None, True, False]]
+    for v in values:
+        item = (J.COUNT, 1.0, ("e1", v), None, ())
+        assert _compiled(item, "hashed") == _reference(item, "hashed"), v
+    for past in (1 << 64, -(1 << 63) - 1):  # msgspec refuses them: left to Python
+        assert _compiled((J.COUNT, 1.0, ("e1", [past]), None, ()), "hashed") is None
+
+
+def test_tuples_an_answer_repeats_are_written_alike():
+    """A small tuple holding a tuple that a record repeats (an answer's tier and group
+    items, shared by the workers of a stop) is written again from its first bytes
+    (recquery.c's memo): right wherever it recurs, also after the buffer grew between the
+    two, and a tuple with the same contents at another address is encoded on its own."""
+    shared = (("GPU", 5),)
+    twin = (("GPU", 5),)
+    group = (("0", shared, 5),)
+    rows = [(float(i), -i, f"w{i}", i % 3, shared, group, 16 * i, (False, None, i, 0.5), 2.0) for i in range(3000)]
+    rows.insert(7, (1.0, 2, "w", 0, twin, (("0", twin, 5),), 3, (True, "gap", None, None), 2.0))
+    for v in (rows[:9], rows):
+        item = (J.COUNT, 1.0, ("e1", [v, shared, [group, shared]]), None, ())
+        assert _compiled(item, "hashed") == _reference(item, "hashed")
