@@ -105,7 +105,7 @@ memo_add(const Out *o, PyObject *x, size_t at)
 /* ``x`` when it is a float, a one-digit int, None, a bool or an ASCII string (most of an
  * answer's values), written here, inlined in the loops: 1; 0 another kind (w_obj's); -1
  * out of memory. */
-static inline int
+static inline __attribute__((always_inline)) int
 w_leaf(Out *o, PyObject *x)
 {
     PyTypeObject *t = Py_TYPE(x);
