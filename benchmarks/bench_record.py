@@ -7,9 +7,10 @@ index, recorded and not.
   and its writer thread running (encoding, hashing the payloads' token ids away in
   ``hashed`` mode, writing to a temporary directory) for the whole run; the time to write
   what is still queued when the last batch is applied is shown apart (``drain``).
-* **match** (the service's ``/v1/match`` door, ``match_plain``) and **route** (``route``
-  with ``max_tokens``, then its ``route_done``): per-call latency of 1,024-token prompts
-  on the index just built, median and p99 per run.
+* **match_plain** (the service's ``/query`` and ``/v1/match`` door), **match** (the
+  library's ``match()``, the prompt as a list of token ids) and **route** (the library's
+  ``route()`` with ``max_tokens``, then its ``route_done``): per-call latency of 1,024-token
+  prompts on the index just built, median and p99 per run.
 
 The GIL switch interval is the service's (0.2 ms) unless ``--switch-interval`` says.
 
@@ -73,7 +74,7 @@ def ingest(items, recorded: bool, tokens: str) -> dict:
     return {"idx": idx, "batches_s": len(items) / (t1 - t0), "drain_s": drain, "bytes": written}
 
 
-def queries(idx: PrefixIndex, prompts: list[bytes], recorded: bool, tokens: str) -> dict:
+def queries(idx: PrefixIndex, prompts: list[bytes], token_lists: list[list[int]], recorded: bool, tokens: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvi-bench-rec-") as d:
         rec = None
         if recorded:
@@ -81,20 +82,23 @@ def queries(idx: PrefixIndex, prompts: list[bytes], recorded: bool, tokens: str)
             rec.attach(idx)
             rec.start()
             rec.flush()  # the first segment's base (this whole index) written: a service's is, at its start
-        ns_match, ns_route = [], []
+        ns_plain, ns_match, ns_route = [], [], []
         clock = time.perf_counter_ns
-        for p in prompts:
+        for p, t in zip(prompts, token_lists, strict=True):
             t0 = clock()
             idx.match_plain(p, "default")
             t1 = clock()
-            r = idx.route(p, max_tokens=64)
+            idx.match(t)
             t2 = clock()
+            r = idx.route(p, max_tokens=64)
+            t3 = clock()
             idx.route_done(r["request_id"])
-            ns_match.append(t1 - t0)
-            ns_route.append(t2 - t1)
+            ns_plain.append(t1 - t0)
+            ns_match.append(t2 - t1)
+            ns_route.append(t3 - t2)
         if rec is not None:
             rec.stop()
-    return {"match": lat_stats_us(ns_match), "route": lat_stats_us(ns_route)}
+    return {"plain": lat_stats_us(ns_plain), "match": lat_stats_us(ns_match), "route": lat_stats_us(ns_route)}
 
 
 def service(args) -> None:
@@ -192,9 +196,10 @@ def main() -> None:
     from indexer.wire.keys import tokens_to_bytes
 
     qs = wl.anchor_queries(p, 1024)
-    prompts = [tokens_to_bytes(t) for t in list(qs.values())[: args.queries]]
-    while len(prompts) < args.queries:
-        prompts += prompts[: args.queries - len(prompts)]
+    token_lists = list(qs.values())[: args.queries]
+    while len(token_lists) < args.queries:
+        token_lists += token_lists[: args.queries - len(token_lists)]
+    prompts = [tokens_to_bytes(t) for t in token_lists]
     res: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}
     extra = {"drain": [], "bytes": []}
     for _ in range(args.runs):
@@ -204,15 +209,17 @@ def main() -> None:
             if on:
                 extra["drain"].append(r["drain_s"])
                 extra["bytes"].append(r["bytes"])
-            q = queries(r["idx"], prompts, on, args.tokens)
-            for k in ("match", "route"):
+            q = queries(r["idx"], prompts, token_lists, on, args.tokens)
+            for k in ("plain", "match", "route"):
                 res[on].setdefault(f"{k}_med", []).append(q[k]["median_us"])
                 res[on].setdefault(f"{k}_p99", []).append(q[k]["p99_us"])
             r["idx"].close()
     rows = []
     for key, what, unit in (("ingest", "ingest (apply_sequenced)", "batches/s"),
-                            ("match_med", "match_plain 1,024 tokens, median", "us"),
-                            ("match_p99", "match_plain 1,024 tokens, p99", "us"),
+                            ("plain_med", "match_plain 1,024 tokens, median", "us"),
+                            ("plain_p99", "match_plain 1,024 tokens, p99", "us"),
+                            ("match_med", "match 1,024 tokens, median", "us"),
+                            ("match_p99", "match 1,024 tokens, p99", "us"),
                             ("route_med", "route 1,024 tokens, median", "us"),
                             ("route_p99", "route 1,024 tokens, p99", "us")):
         rows.append(_row(res[False][key], res[True][key], what, unit, key == "ingest"))

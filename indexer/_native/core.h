@@ -464,6 +464,7 @@ KVI_HIDDEN uint32_t kvi_rec_checksum(const unsigned char *p, size_t n);
 /* The kinds it writes of the queries' records (recquery.c's, record.py's _KINDS). */
 #define KVI_REC_MATCH_PLAIN 3
 #define KVI_REC_ROUTE 4
+#define KVI_REC_MATCH 5
 
 /* The functions each file adds to the module (_core.c puts them in). */
 extern KVI_HIDDEN PyMethodDef kvi_tree_methods[];

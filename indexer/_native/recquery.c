@@ -7,8 +7,9 @@
  *
  * ``kind`` is what record.py read off the op: NOTE, GENERIC (the arguments as a list, a
  * scalar result), GENERIC_NONE (the same with no result kept: a registration),
- * MATCH_PLAIN (/query, /v1/match) or ROUTE (a route whose ranking the compiled core
- * wrote as JSON: /v1/route). ``hashed``: the prompt kept as its block keys (hashed
+ * MATCH_PLAIN (/query, /v1/match), ROUTE (a route: its ranking as the compiled core wrote
+ * it as JSON, /v1/route, or as dicts, the library's route()) or MATCH (the library's
+ * match(), a prompt with no namespace). ``hashed``: the prompt kept as its block keys (hashed
  * mode), else as its length (none mode; full mode is the Python encoder's). ``raised``:
  * journal.Raised, whose records the Python encoder keeps.
  *
@@ -22,7 +23,8 @@
 #define MAX_KEPT_ANSWER 8192 /* recops.MAX_KEPT_ANSWER: an answer kept whole up to this size */
 #define DEPTH_MAX 32
 
-enum { K_NOTE, K_GENERIC, K_GENERIC_NONE, K_MATCH_PLAIN = KVI_REC_MATCH_PLAIN, K_ROUTE = KVI_REC_ROUTE };
+enum { K_NOTE, K_GENERIC, K_GENERIC_NONE, K_MATCH_PLAIN = KVI_REC_MATCH_PLAIN, K_ROUTE = KVI_REC_ROUTE,
+       K_MATCH = KVI_REC_MATCH };
 
 /* ------------------------------------------------------------------ values */
 
@@ -356,6 +358,24 @@ w_best(Out *sum, PyObject *best)
     return r;
 }
 
+/* A match's answer (recops.encode_result): nil without one, else a MatchResult's body,
+ * digest and summary. 1, 0, -1 as w_obj. */
+static int
+w_match_answer(Out *o, Out *body, Out *sum, PyObject *result)
+{
+    if (result == Py_None)
+        return w_nil(o) ? 1 : -1;
+    if (!PyTuple_Check(result) || PyTuple_GET_SIZE(result) != 6)
+        return 0;
+    int r = w_obj(body, result, 0);
+    if (r <= 0)
+        return r;
+    PyObject *best = PyTuple_GET_ITEM(result, 4);
+    if (best == Py_None ? !w_nil(sum) : (r = w_best(sum, best)) <= 0)
+        return best == Py_None ? -1 : r;
+    return w_answer(o, body, sum);
+}
+
 /* MATCH_PLAIN: ``args`` (buf, model, _), ``result`` a MatchResult or None. */
 static int
 w_match_plain(Out *o, Out *body, Out *sum, PyObject *args, PyObject *result, int hashed, uint64_t seed)
@@ -375,14 +395,41 @@ w_match_plain(Out *o, Out *body, Out *sum, PyObject *args, PyObject *result, int
     int r = w_arr(o, 2) ? w_prompt(o, PyTuple_GET_ITEM(args, 0), &bs, bs ? 1 : 0, hashed, seed) : -1;
     if (r > 0)
         r = w_obj(o, PyTuple_GET_ITEM(args, 1), 0);
-    if (r <= 0 || result == Py_None)
-        return r <= 0 ? r : (w_nil(o) ? 1 : -1);
-    if ((r = w_obj(body, result, 0)) <= 0)
-        return r;
-    PyObject *best = PyTuple_GET_ITEM(result, 4);
-    if (best == Py_None ? !w_nil(sum) : (r = w_best(sum, best)) <= 0)
-        return best == Py_None ? -1 : r;
-    return w_answer(o, body, sum);
+    return r <= 0 ? r : w_match_answer(o, body, sum, result);
+}
+
+/* A KeySource's prompt (recops._query) with no namespace: its block sizes are its
+ * ``sizes`` when it has any and ``sizes_first`` (a route's), else its cache's (a match's).
+ * 1, 0 (not a KeySource, or a namespaced prompt: its seeds are the Python encoder's), -1. */
+static int
+w_source(Out *o, PyObject *src, int sizes_first, int hashed, uint64_t seed)
+{
+    PyObject *lora = attr(src, N_LORA), *salt = lora ? attr(src, N_SALT) : NULL,
+             *extra = salt ? attr(src, N_EXTRA) : NULL, *buf = extra ? attr(src, N_BUF) : NULL,
+             *sizes = buf ? attr(src, N_SIZES) : NULL, *cache = sizes ? attr(src, N_CACHE) : NULL;
+    int r = -1;
+    if (cache == NULL) {
+        PyErr_Clear(); /* not a KeySource */
+        r = 0;
+        goto done;
+    }
+    int named = PyObject_IsTrue(lora), extras = PyObject_IsTrue(extra);
+    if (named < 0 || extras < 0)
+        goto done;
+    r = 0;
+    if (named || extras || salt != Py_None || !PyTuple_Check(sizes) || !PyDict_CheckExact(cache))
+        goto done;
+    Py_ssize_t bss[SIZES_MAX], nsz = sizes_of(sizes_first && PyTuple_GET_SIZE(sizes) ? sizes : cache, bss);
+    if (nsz >= 0)
+        r = w_prompt(o, buf, bss, nsz, hashed, seed);
+done:
+    Py_XDECREF(lora);
+    Py_XDECREF(salt);
+    Py_XDECREF(extra);
+    Py_XDECREF(buf);
+    Py_XDECREF(sizes);
+    Py_XDECREF(cache);
+    return r;
 }
 
 /* ROUTE's arguments (recops.encode_call): the prompt, the model, the load as [prefill,
@@ -398,30 +445,9 @@ w_route_call(Out *o, PyObject *args, int hashed, uint64_t seed)
     if ((load != Py_None && !PyDict_CheckExact(load)) || (link != Py_None && !PyDict_CheckExact(link)) ||
         (cands != Py_None && !PyList_CheckExact(cands) && !PyTuple_CheckExact(cands)))
         return 0;
-    PyObject *lora = attr(src, N_LORA), *salt = lora ? attr(src, N_SALT) : NULL,
-             *extra = salt ? attr(src, N_EXTRA) : NULL, *buf = extra ? attr(src, N_BUF) : NULL,
-             *sizes = buf ? attr(src, N_SIZES) : NULL, *cache = sizes ? attr(src, N_CACHE) : NULL;
-    int r = -1;
-    if (cache == NULL) {
-        PyErr_Clear(); /* not a KeySource: the Python encoder's */
-        r = 0;
-        goto done;
-    }
-    int named = PyObject_IsTrue(lora), extras = PyObject_IsTrue(extra);
-    if (named < 0 || extras < 0)
-        goto done;
-    r = 0;
-    if (named || extras || salt != Py_None || !PyTuple_Check(sizes) || !PyDict_CheckExact(cache))
-        goto done; /* a namespaced prompt's seeds are the Python encoder's */
-    Py_ssize_t bss[SIZES_MAX], nsz = sizes_of(PyTuple_GET_SIZE(sizes) ? sizes : cache, bss);
-    if (nsz < 0)
-        goto done;
-    r = -1;
-    if (!w_arr(o, 9))
-        goto done;
-    if ((r = w_prompt(o, buf, bss, nsz, hashed, seed)) <= 0 ||
-        (r = w_obj(o, PyTuple_GET_ITEM(args, 1), 0)) <= 0)
-        goto done;
+    int r = w_arr(o, 9) ? w_source(o, src, 1, hashed, seed) : -1;
+    if (r <= 0 || (r = w_obj(o, PyTuple_GET_ITEM(args, 1), 0)) <= 0)
+        return r;
     r = -1;
     if (load == Py_None) {
         if (!w_nil(o))
@@ -474,12 +500,6 @@ w_route_call(Out *o, PyObject *args, int hashed, uint64_t seed)
     }
     r = w_obj(o, PyTuple_GET_ITEM(args, 8), 0);
 done:
-    Py_XDECREF(lora);
-    Py_XDECREF(salt);
-    Py_XDECREF(extra);
-    Py_XDECREF(buf);
-    Py_XDECREF(sizes);
-    Py_XDECREF(cache);
     return r;
 }
 
@@ -646,6 +666,15 @@ w_call(Out *o, Out *body, Out *sum, const KviCall *c, int kind, int hashed, uint
         if ((r = w_route_call(o, args, hashed, seed)) <= 0)
             return r;
         return w_route_answer(o, body, sum, result);
+    case K_MATCH: /* args (src, model) */
+        if (!PyTuple_CheckExact(args) || PyTuple_GET_SIZE(args) != 2)
+            return 0;
+        if (!w_arr(o, 2))
+            return -1;
+        if ((r = w_source(o, PyTuple_GET_ITEM(args, 0), 0, hashed, seed)) <= 0 ||
+            (r = w_obj(o, PyTuple_GET_ITEM(args, 1), 0)) <= 0)
+            return r;
+        return w_match_answer(o, body, sum, result);
     case K_GENERIC:
     case K_GENERIC_NONE:
         if (!PyTuple_CheckExact(args) || (r = w_obj(o, args, 0)) <= 0)
@@ -677,7 +706,7 @@ w_record(Out *o, Out *body, Out *sum, PyObject *item, int kind, int hashed, uint
 PyDoc_STRVAR(encode_record_doc,
 "encode_record(item, kind, hashed, seed, raised) -> bytes | None\n\n"
 "The msgpack body of the journal's record `item` of `kind` (0 note, 1 generic,\n"
-"2 generic with no result kept, 3 match_plain, 4 route written as JSON), byte for\n"
+"2 generic with no result kept, 3 match_plain, 4 route, 5 match), byte for\n"
 "byte the Python encoder's (record.py); None: a shape left to it. `hashed`: prompts\n"
 "as block keys (seed `seed`), else as their length. `raised`: journal.Raised.");
 
@@ -739,7 +768,7 @@ kvi_lay_record(JournalCore *j, const KviCall *c, int kind)
     Out local[3] = {{0}}, *o;
     int r = encode_in(local, &o, NULL, c, kind, j->strip, (uint64_t)j->seed, j->raised);
     if (r > 0) /* the body: the writer frames it (recframe.c) */
-        r = kvi_lay_body(j, o[0].buf, o[0].len, (kind == K_MATCH_PLAIN || kind == K_ROUTE) && c->result != Py_None);
+        r = kvi_lay_body(j, o[0].buf, o[0].len, kind >= K_MATCH_PLAIN && c->result != Py_None);
     else if (r < 0 && !PyErr_Occurred())
         PyErr_NoMemory();
     done_with(o, local);

@@ -71,6 +71,7 @@ def test_query_records_are_the_python_encoders(tmp_path, mode):
     link = {(f"e{w}", 1 if w == 5 else 0): (w != 2, True) for w in range(6)}
     for p in (prompt, other, prompt[: 4 * 13]):
         idx.match_plain(p, "default")
+        idx.match(p)  # the library's door: a KeySource, predictions once routes are recorded
         idx.route_body(p, model="default", load={}, link=link)
         idx.route_body(p, model="default", load={"e1/0": Load(400, 3), "e2": Load(0, 90)},
                        candidates=["e1/0", "e2", "e9"], link=None, record=False)
@@ -81,9 +82,11 @@ def test_query_records_are_the_python_encoders(tmp_path, mode):
         idx.route_done("nobody")
     idx.journal.note("replayed", "e1", 0, 12)
     idx.journal.note("restart", "é", 3, {"from": [1, 2.5, None, True]})
+    idx.match(toks(0, 40, BS))  # token ids as a list
     items = _queued(rec)
     ops = {it[0] for it in items}
-    assert {J.MATCH_PLAIN, J.ROUTE, J.ROUTE_DONE, "note"} <= ops
+    assert {J.MATCH_PLAIN, J.MATCH, J.ROUTE, J.ROUTE_DONE, "note"} <= ops
+    assert any(it[0] == J.MATCH and it[3].predicted for it in items)  # an answer with predictions
     dicts = 0
     for it in items:
         assert _compiled(it, mode) == _reference(it, mode), it[0]
@@ -118,8 +121,10 @@ def test_shapes_it_does_not_write_are_left_to_python(tmp_path):
     idx.journal.note("odd", "e0", 0, {1, 2})  # a set in a note
     with pytest.raises(KeyError):
         idx.match_plain(tokens_to_bytes(prompt), "no-such-model")
+    idx.match(prompt, cache_salt="s")  # a namespaced prompt
+    idx.match(prompt, extra_keys=[("img", 1)])
     items = _queued(rec)
-    assert [it[0] for it in items] == [J.ROUTE, J.ROUTE, "note", J.MATCH_PLAIN]
+    assert [it[0] for it in items] == [J.ROUTE, J.ROUTE, "note", J.MATCH_PLAIN, J.MATCH, J.MATCH]
     assert isinstance(items[3][3], Raised)
     for it in items:
         assert _compiled(it, "hashed") is None, it[0]
@@ -167,6 +172,7 @@ def _calls(idx: PrefixIndex) -> None:
     prompt = tokens_to_bytes(toks(0, 40, BS))
     link = {(f"e{w}", 1 if w == 5 else 0): (w != 2, True) for w in range(6)}
     idx.match_plain(prompt, "default")
+    idx.match(toks(0, 40, BS))  # the library's door
     idx.match_plain(tokens_to_bytes(toks(5000, 9, BS)), "default")  # a miss
     r = idx.route_body(prompt, model="default", load={"e1/0": Load(400, 3)}, link=link, max_tokens=9)
     idx.route_done(r.request_id)
@@ -208,7 +214,7 @@ def test_queries_are_queued_encoded_as_the_writer_would(tmp_path, mode):
                 flat += [r.item(i) if r.item(i) is not None else next(apart) for i in range(len(r))]
         queues.append((rec, flat))
     (rec, fast), (_, slow) = queues
-    assert [type(x).__name__ for x in fast] == ["bytes"] * 8 + ["tuple"] * 2  # route_done's too
+    assert [type(x).__name__ for x in fast] == ["bytes"] * 9 + ["tuple"] * 2  # route_done's too
     assert all(isinstance(x, tuple) for x in slow)
 
     def unwalled(body: bytes) -> list:
@@ -221,7 +227,7 @@ def test_queries_are_queued_encoded_as_the_writer_would(tmp_path, mode):
             assert frame(got[8:]) == got  # framed: its length and checksum, then the body
             assert unwalled(got[8:]) == unwalled(_reference(it, mode)), it[0]
     rec.flush()  # no writer thread: drained here
-    assert (rec.records, rec.answers) == (10, 8)  # eight laid (seven answers), the LoRA route, the raised one
+    assert (rec.records, rec.answers) == (11, 9)  # nine laid (eight answers), the LoRA route, the raised one
     for r, _ in queues:
         r.stop()
 
