@@ -12,8 +12,8 @@
  * (freed at once, so the next one reuses warm memory), and the writer frames a whole run
  * without the GIL (recframe.c's frame_run) and takes the GIL once a run.
  *
- * The other journaled calls' records are laid in the run too, already encoded and framed
- * (kvi_lay_body, from journal.c's encoded): the payload is the frame, written as it is.
+ * The other journaled calls' records are laid in the run too, already encoded (kvi_lay_body,
+ * from recquery.c's kvi_lay_record): the payload is the record's body, which frame_run frames.
  * A record queued apart for the writer to encode has its place here (kvi_lay_apart), so
  * it does not seal the run.
  *
@@ -21,7 +21,7 @@
  * is record i as the journal's tuple ``(op, wall, args, result, times)``, for what the
  * compiled framer leaves to the Python encoder (never a record laid stripped, whose
  * payload is already as ``hashed`` mode keeps it: that is the payload it gives), a
- * record's frame (bytes) when it was laid framed, or None in the place of a record queued
+ * record's frame (bytes) when it was laid encoded, or None in the place of a record queued
  * apart. */
 #include "journal.h"
 
@@ -445,14 +445,14 @@ fail:
 }
 
 static PyMemberDef ar_members[] = {
-    {"answers", T_PYSSIZET, offsetof(ApplyRun, answers), READONLY, "the queries' answers among the records laid framed"},
+    {"answers", T_PYSSIZET, offsetof(ApplyRun, answers), READONLY, "the queries' answers among the records laid encoded"},
     {NULL, 0, 0, 0, NULL},
 };
 
 static PyMethodDef ar_methods[] = {
     {"item", (PyCFunction)ar_item, METH_O,
      "item(i) -> record i as the journal's tuple (op, wall, args, result, times), or its frame\n"
-     "(bytes) when it was laid framed, or None in the place of the next record queued apart\n"
+     "(bytes) when it was laid encoded, or None in the place of the next record queued apart\n"
      "(the journal's ``apart``)."},
     {NULL, NULL, 0, NULL},
 };

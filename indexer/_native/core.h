@@ -241,7 +241,7 @@ get_le64(const unsigned char *p)
 {
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
     uint64_t v;
-    memcpy(&v, p, 8); /* one load: the loop below was ~9 instructions a key (the key memo's copy) */
+    memcpy(&v, p, 8); /* one load: the loop below was ~9 instructions a key (a walk's packed keys) */
     return v;
 #else
     uint64_t v = 0;

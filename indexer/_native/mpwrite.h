@@ -183,4 +183,30 @@ w_bin(Out *o, const void *p, size_t n)
     return w_bin_head(o, n) && put(o, p, n);
 }
 
+/* An exact int's value when it is one digit or none (counts, ranks, depths: most): 1;
+ * else 0 (PyLong's own reading). */
+static inline int
+small_long(PyObject *x, int64_t *v)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    if (!PyUnstable_Long_IsCompact((PyLongObject *)x))
+        return 0;
+    *v = (int64_t)PyUnstable_Long_CompactValue((PyLongObject *)x);
+    return 1;
+#else
+    Py_ssize_t size = Py_SIZE(x);
+    if (size < -1 || size > 1)
+        return 0;
+    *v = size == 0 ? 0 : (int64_t)size * (int64_t)((PyLongObject *)x)->ob_digit[0]; /* zero's digit is not read */
+    return 1;
+#endif
+}
+
+/* recvalue.c. kvi_w_obj: ``x`` as msgspec encodes it (None, bool, int, float, str, bytes,
+ * tuples and their subclasses, lists, dicts): 1; 0 any other (the record is left to
+ * Python); -1 out of memory; the GIL held. kvi_w_obj_reset: forget the tuples written so
+ * far (a new record). */
+KVI_HIDDEN int kvi_w_obj(Out *o, PyObject *x, int depth);
+KVI_HIDDEN void kvi_w_obj_reset(void);
+
 #endif

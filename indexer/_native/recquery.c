@@ -9,212 +9,31 @@
  * scalar result), GENERIC_NONE (the same with no result kept: a registration),
  * MATCH_PLAIN (/query, /v1/match), ROUTE (a route: its ranking as the compiled core wrote
  * it as JSON, /v1/route, or as dicts, the library's route()) or MATCH (the library's
- * match(), a prompt with no namespace). ``hashed``: the prompt kept as its block keys (hashed
- * mode), else as its length (none mode; full mode is the Python encoder's). ``raised``:
- * journal.Raised, whose records the Python encoder keeps.
+ * match(), a prompt with no namespace). ``hashed``: the prompt kept as its block keys
+ * (hashed mode), else as its length (none mode; full mode is the Python encoder's).
+ * ``raised``: journal.Raised, whose records the Python encoder keeps. The journal calls
+ * kvi_lay_record with the call's parts, no tuple made (journal.c's encoded).
  *
  * Why: the writer thread shares the GIL with the requests. Encoded in Python, a /query
  * record held it ~4.3 us (a MatchResult's msgpack, its digest, the keys, ~20 frames) and
  * a /v1/route record ~4.5 us; a service answering thousands a second gave that to the
- * writer while requests waited. Here: ~1 us. */
+ * writer while requests waited. Here, on the calling thread: ~1.5 us a match's record,
+ * ~3 us a route's (the values: recvalue.c). */
 #include "journal.h"
 #include "mpwrite.h"
 
 #define MAX_KEPT_ANSWER 8192 /* recops.MAX_KEPT_ANSWER: an answer kept whole up to this size */
-#define DEPTH_MAX 32
 
 enum { K_NOTE, K_GENERIC, K_GENERIC_NONE, K_MATCH_PLAIN = KVI_REC_MATCH_PLAIN, K_ROUTE = KVI_REC_ROUTE,
        K_MATCH = KVI_REC_MATCH };
 
 /* ------------------------------------------------------------------ values */
 
-/* An exact int's value when it is one digit or none (counts, ranks, depths: most): 1;
- * else 0 (PyLong's own reading). */
+/* recvalue.c's, as this file calls it. */
 static inline int
-small_long(PyObject *x, int64_t *v)
-{
-#if PY_VERSION_HEX >= 0x030C0000
-    if (!PyUnstable_Long_IsCompact((PyLongObject *)x))
-        return 0;
-    *v = (int64_t)PyUnstable_Long_CompactValue((PyLongObject *)x);
-    return 1;
-#else
-    Py_ssize_t size = Py_SIZE(x);
-    if (size < -1 || size > 1)
-        return 0;
-    *v = size == 0 ? 0 : (int64_t)size * (int64_t)((PyLongObject *)x)->ob_digit[0]; /* zero's digit is not read */
-    return 1;
-#endif
-}
-
-/* The tuples of this record's encoding that hold a tuple, with where their bytes are
- * (``o`` the buffer): an answer repeats its stop's tuples in each of its workers
- * (answers.c: the tier and group items), written again from here. The journal's objects
- * live while their record is encoded (the GIL held, no Python run), so an address is one
- * object; encode_in empties it. */
-#define MEMO_N 16
-static struct {
-    const Out *o;
-    unsigned n;
-    PyObject *x[MEMO_N];
-    size_t at[MEMO_N], len[MEMO_N];
-} memo;
-
-/* Whether the tuple ``x`` holds a tuple or a list. */
-static inline int
-nests(PyObject *x)
-{
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(x); i++) {
-        PyTypeObject *t = Py_TYPE(PyTuple_GET_ITEM(x, i));
-        if (t == &PyList_Type || PyType_FastSubclass(t, Py_TPFLAGS_TUPLE_SUBCLASS))
-            return 1;
-    }
-    return 0;
-}
-
-/* ``x``'s bytes again when this record wrote it to ``o`` already: 1; 0 not; -1 out of memory. */
-static int
-memo_put(Out *o, PyObject *x)
-{
-    if (memo.o != o)
-        return 0;
-    unsigned n = memo.n < MEMO_N ? memo.n : MEMO_N;
-    for (unsigned i = 0; i < n; i++)
-        if (memo.x[i] == x) {
-            size_t at = memo.at[i], len = memo.len[i];
-            if (!room(o, len))
-                return -1;
-            memcpy(o->buf + o->len, o->buf + at, len); /* after room: the buffer may have moved */
-            o->len += len;
-            return 1;
-        }
-    return 0;
-}
-
-static void
-memo_add(const Out *o, PyObject *x, size_t at)
-{
-    if (memo.o != o) {
-        memo.o = o;
-        memo.n = 0;
-    }
-    unsigned i = memo.n++ % MEMO_N;
-    memo.x[i] = x;
-    memo.at[i] = at;
-    memo.len[i] = o->len - at;
-}
-
-/* ``x`` when it is a float, a one-digit int, None, a bool or an ASCII string (most of an
- * answer's values), written here, inlined in the loops: 1; 0 another kind (w_obj's); -1
- * out of memory. */
-static inline __attribute__((always_inline)) int
-w_leaf(Out *o, PyObject *x)
-{
-    PyTypeObject *t = Py_TYPE(x);
-    int64_t v;
-    if (t == &PyFloat_Type)
-        return w_f64(o, PyFloat_AS_DOUBLE(x)) ? 1 : -1;
-    if (t == &PyLong_Type)
-        return !small_long(x, &v) ? 0 : w_int(o, v) ? 1 : -1;
-    if (t == &PyUnicode_Type)
-        return !PyUnicode_IS_COMPACT_ASCII(x) ? 0
-             : w_str(o, (const char *)((PyASCIIObject *)x + 1), (size_t)PyUnicode_GET_LENGTH(x)) ? 1 : -1;
-    if (x == Py_None)
-        return w_nil(o) ? 1 : -1;
-    if (t == &PyBool_Type)
-        return w_bool(o, x == Py_True) ? 1 : -1;
-    return 0;
-}
-
-/* ``x`` as msgspec encodes it, for the types a record holds (None, bool, int, float,
- * str, bytes, tuples and their subclasses, lists, dicts): 1; 0 any other (the record
- * is left to Python); -1 out of memory. The commonest types are tried first, each by its
- * type's address; an int of one digit and an ASCII string are read in place (through
- * PyLong and PyUnicode's functions, each value of a route's answer cost ~60
- * instructions). */
-static int
 w_obj(Out *o, PyObject *x, int depth)
 {
-    PyTypeObject *t = Py_TYPE(x);
-    if (t == &PyFloat_Type)
-        return w_f64(o, PyFloat_AS_DOUBLE(x)) ? 1 : -1;
-    if (t == &PyUnicode_Type) {
-        if (PyUnicode_IS_COMPACT_ASCII(x))
-            return w_str(o, (const char *)((PyASCIIObject *)x + 1), (size_t)PyUnicode_GET_LENGTH(x)) ? 1 : -1;
-        Py_ssize_t n;
-        const char *s = PyUnicode_AsUTF8AndSize(x, &n);
-        if (s == NULL) {
-            PyErr_Clear(); /* a lone surrogate: msgspec's error, in Python */
-            return 0;
-        }
-        return w_str(o, s, (size_t)n) ? 1 : -1;
-    }
-    if (t == &PyLong_Type) {
-        int64_t small;
-        if (small_long(x, &small))
-            return w_int(o, small) ? 1 : -1;
-        int of;
-        long long v = PyLong_AsLongLongAndOverflow(x, &of);
-        if (of == 0)
-            return w_int(o, v) ? 1 : -1;
-        if (of < 0)
-            return 0;
-        unsigned long long u = PyLong_AsUnsignedLongLong(x);
-        if (u == (unsigned long long)-1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            return 0; /* past uint64: msgspec refuses it, as the Python encoder would */
-        }
-        return put_be(o, 0xcf, u, 8) ? 1 : -1;
-    }
-    if (x == Py_None)
-        return w_nil(o) ? 1 : -1;
-    if (t == &PyBool_Type)
-        return w_bool(o, x == Py_True) ? 1 : -1;
-    if (t == &PyBytes_Type)
-        return w_bin(o, PyBytes_AS_STRING(x), (size_t)PyBytes_GET_SIZE(x)) ? 1 : -1;
-    if (depth >= DEPTH_MAX)
-        return 0;
-    if (t == &PyList_Type || PyTuple_Check(x)) { /* a NamedTuple is an array to msgspec */
-        Py_ssize_t n = PySequence_Fast_GET_SIZE(x);
-        int shared = t != &PyList_Type && depth >= 2 && n <= 4 && nests(x); /* a stop's, not a worker's */
-        if (shared) {
-            int r = memo_put(o, x);
-            if (r != 0)
-                return r;
-        }
-        size_t at = o->len;
-        if (!w_arr(o, (uint32_t)n))
-            return -1;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            /* a list's items are read again each time: a value's encoding runs no Python */
-            PyObject *item = PySequence_Fast_GET_ITEM(x, i);
-            int r = w_leaf(o, item);
-            if (r == 0)
-                r = w_obj(o, item, depth + 1);
-            if (r <= 0)
-                return r;
-        }
-        if (shared)
-            memo_add(o, x, at);
-        return 1;
-    }
-    if (t == &PyDict_Type) {
-        if (!w_map(o, (uint32_t)PyDict_GET_SIZE(x)))
-            return -1;
-        Py_ssize_t pos = 0;
-        PyObject *k, *v;
-        while (PyDict_Next(x, &pos, &k, &v)) {
-            int r = w_leaf(o, k);
-            if (r == 0)
-                r = w_obj(o, k, depth + 1);
-            if (r > 0 && (r = w_leaf(o, v)) == 0)
-                r = w_obj(o, v, depth + 1);
-            if (r <= 0)
-                return r;
-        }
-        return 1;
-    }
-    return 0;
+    return kvi_w_obj(o, x, depth);
 }
 
 static int
@@ -726,7 +545,7 @@ encode_in(Out local[3], Out **out, PyObject *item, const KviCall *c, int kind, i
     busy = 1;
     for (int i = 0; i < 3; i++)
         o[i].len = 0;
-    memo.o = NULL; /* another record's (or, nested, the outer one's: it is written again then) */
+    kvi_w_obj_reset(); /* another record's (or, nested, the outer one's: it is written again then) */
     *out = o;
     return c != NULL ? w_call(&o[0], &o[1], &o[2], c, kind, hashed, seed, raised)
                      : w_record(&o[0], &o[1], &o[2], item, kind, hashed, seed, raised);

@@ -73,7 +73,7 @@ _CALM_RATE = 4 << 20
 # GIL ~0.8 ms (the same probe: 0.7 ms at p99 before, 0.3 ms after).
 _HOLD_S = 50e-6
 # Buffers one writev takes at most: the system's IOV_MAX (Linux's: 1,024), at least
-# POSIX's 16. In ``none`` mode each record laid framed in a run is a frame of its own.
+# POSIX's 16. In ``none`` mode each record laid encoded in a run is a frame of its own.
 _IOV_MAX = max(16, min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16, 1024))
 # What the compiled encoder (recquery.c) writes of each record, by op: the arguments as a
 # list and a scalar result (GENERIC), the same with no result (a registration), /query's
@@ -404,7 +404,7 @@ class Recorder:
         framed()
 
     def _frame_run(self, run: Any, bodies: list[bytes], framed: Any, out: list[bytes]) -> None:
-        """Frame the records of ``run`` (applies, records laid framed, the places of records
+        """Frame the records of ``run`` (applies, records laid encoded, the places of records
         queued apart): by the compiled framer straight to the file, but for what it leaves
         to the Python encoder (a payload not of the plain GPU shape in ``hashed`` mode; every
         one in ``none`` mode; a record queued apart, taken from the journal's ``apart``)."""
@@ -428,7 +428,7 @@ class Recorder:
             item = run.item(i)
             if item is None and apart is not None:  # the place of a record queued apart (journal.c)
                 item = apart.popleft()
-            if item.__class__ is bytes:  # a record laid framed
+            if item.__class__ is bytes:  # a record laid encoded, framed by item()
                 framed()
                 out.append(item)
                 self.records += 1
