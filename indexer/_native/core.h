@@ -20,6 +20,7 @@
  *   recframe.c  a recording's frames, built without the GIL: frame_run, frame_many
  *   recquery.c  a recording's query records (and notes, ends, registrations): encode_record
  *               (mpwrite.h: the msgpack writer both share)
+ *   recvalue.c  a Python value as msgspec encodes it, for recquery.c
  *   snapshot.c  a snapshot's columns: NodeIndex, dump_*, node_index, translate, load_*
  *   answers.c   the ranked answers of a GPU-only match
  *   ranking.c   a route's ranking of its candidates
