@@ -466,6 +466,7 @@ KVI_HIDDEN uint32_t kvi_rec_checksum(const unsigned char *p, size_t n);
 #define KVI_REC_MATCH_PLAIN 3
 #define KVI_REC_ROUTE 4
 #define KVI_REC_MATCH 5
+#define KVI_REC_MATCH_BY_KEYS 6
 
 /* The functions each file adds to the module (_core.c puts them in). */
 extern KVI_HIDDEN PyMethodDef kvi_tree_methods[];

@@ -8,8 +8,8 @@
  * ``kind`` is what record.py read off the op: NOTE, GENERIC (the arguments as a list, a
  * scalar result), GENERIC_NONE (the same with no result kept: a registration),
  * MATCH_PLAIN (/query, /v1/match), ROUTE (a route: its ranking as the compiled core wrote
- * it as JSON, /v1/route, or as dicts, the library's route()) or MATCH (the library's
- * match(), a prompt with no namespace). ``hashed``: the prompt kept as its block keys
+ * it as JSON, /v1/route, or as dicts, the library's route()), MATCH (the library's
+ * match(), a prompt with no namespace) or MATCH_BY_KEYS (its match_by_keys()). ``hashed``: the prompt kept as its block keys
  * (hashed mode), else as its length (none mode; full mode is the Python encoder's).
  * ``raised``: journal.Raised, whose records the Python encoder keeps. The journal calls
  * kvi_lay_record with the call's parts, no tuple made (journal.c's encoded).
@@ -25,7 +25,7 @@
 #define MAX_KEPT_ANSWER 8192 /* recops.MAX_KEPT_ANSWER: an answer kept whole up to this size */
 
 enum { K_NOTE, K_GENERIC, K_GENERIC_NONE, K_MATCH_PLAIN = KVI_REC_MATCH_PLAIN, K_ROUTE = KVI_REC_ROUTE,
-       K_MATCH = KVI_REC_MATCH };
+       K_MATCH = KVI_REC_MATCH, K_MATCH_BY_KEYS = KVI_REC_MATCH_BY_KEYS };
 
 /* ------------------------------------------------------------------ values */
 
@@ -215,6 +215,36 @@ w_match_plain(Out *o, Out *body, Out *sum, PyObject *args, PyObject *result, int
     if (r > 0)
         r = w_obj(o, PyTuple_GET_ITEM(args, 1), 0);
     return r <= 0 ? r : w_match_answer(o, body, sum, result);
+}
+
+/* MATCH_BY_KEYS's keys (recops.encode_call): ``keys_bytes(keys), len(keys)`` as the start
+ * of a 3-array (its model next), the bytes empty unless ``hashed``: array("Q")'s, native
+ * order. 1; 0 a key not an int in [0, 2**64) (array's error, in Python); -1. */
+static int
+w_keys(Out *o, PyObject *keys, int hashed)
+{
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    if (!w_arr(o, 3) || !w_bin_head(o, hashed ? (size_t)n * 8 : 0) || !room(o, hashed ? (size_t)n * 8 : 0))
+        return -1;
+    for (Py_ssize_t i = 0; hashed && i < n; i++) {
+        PyObject *k = PyList_GET_ITEM(keys, i);
+        int64_t small;
+        uint64_t u;
+        if (!PyLong_CheckExact(k))
+            return 0;
+        if (small_long(k, &small)) {
+            if (small < 0)
+                return 0;
+            u = (uint64_t)small;
+        }
+        else if ((u = PyLong_AsUnsignedLongLong(k)) == (uint64_t)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+        memcpy(o->buf + o->len, &u, 8);
+        o->len += 8;
+    }
+    return w_int(o, n) ? 1 : -1;
 }
 
 /* A KeySource's prompt (recops._query) with no namespace: its block sizes are its
@@ -494,6 +524,12 @@ w_call(Out *o, Out *body, Out *sum, const KviCall *c, int kind, int hashed, uint
             (r = w_obj(o, PyTuple_GET_ITEM(args, 1), 0)) <= 0)
             return r;
         return w_match_answer(o, body, sum, result);
+    case K_MATCH_BY_KEYS: /* args (keys, model): the keys as uint64 bytes (none mode: none), their count */
+        if (!PyTuple_CheckExact(args) || PyTuple_GET_SIZE(args) != 2 || !PyList_CheckExact(PyTuple_GET_ITEM(args, 0)))
+            return 0;
+        if ((r = w_keys(o, PyTuple_GET_ITEM(args, 0), hashed)) <= 0 || (r = w_obj(o, PyTuple_GET_ITEM(args, 1), 0)) <= 0)
+            return r;
+        return w_match_answer(o, body, sum, result);
     case K_GENERIC:
     case K_GENERIC_NONE:
         if (!PyTuple_CheckExact(args) || (r = w_obj(o, args, 0)) <= 0)
@@ -525,8 +561,8 @@ w_record(Out *o, Out *body, Out *sum, PyObject *item, int kind, int hashed, uint
 PyDoc_STRVAR(encode_record_doc,
 "encode_record(item, kind, hashed, seed, raised) -> bytes | None\n\n"
 "The msgpack body of the journal's record `item` of `kind` (0 note, 1 generic,\n"
-"2 generic with no result kept, 3 match_plain, 4 route, 5 match), byte for\n"
-"byte the Python encoder's (record.py); None: a shape left to it. `hashed`: prompts\n"
+"2 generic with no result kept, 3 match_plain, 4 route, 5 match, 6 match_by_keys),\n"
+"byte for byte the Python encoder's (record.py); None: a shape left to it. `hashed`: prompts\n"
 "as block keys (seed `seed`), else as their length. `raised`: journal.Raised.");
 
 /* Encode ``item`` (w_record), or the call ``c`` (w_call), in the kept buffers ``keep`` (or,

@@ -77,14 +77,14 @@ _HOLD_S = 50e-6
 _IOV_MAX = max(16, min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16, 1024))
 # What the compiled encoder (recquery.c) writes of each record, by op: the arguments as a
 # list and a scalar result (GENERIC), the same with no result (a registration), /query's
-# match_plain, a route, the library's match(). Every other op (and full mode) is the Python
-# encoder's.
-_NOTE, _GENERIC, _GENERIC_NONE, _MATCH_PLAIN, _ROUTE, _MATCH = range(6)
+# match_plain, a route, the library's match() and match_by_keys(). Every other op (and full
+# mode) is the Python encoder's.
+_NOTE, _GENERIC, _GENERIC_NONE, _MATCH_PLAIN, _ROUTE, _MATCH, _MATCH_BY_KEYS = range(7)
 _KINDS: dict[Any, int] = {op: _GENERIC for op in (
     J.DROP_WORKER, J.DROP_ENGINE, J.RESET_WORKER, J.CLEAR_ENGINE, J.MARK_STALE, J.CLEAR_STALE, J.COUNT,
     J.COUNT_DROPPED, J.ROUTE_DONE, J.TIE_SLOT, J.DROP_PEER, J.EXPIRE, J.CLOSE)}
 _KINDS.update({"note": _NOTE, J.REGISTER: _GENERIC_NONE, J.MATCH_PLAIN: _MATCH_PLAIN, J.ROUTE: _ROUTE,
-               J.MATCH: _MATCH})
+               J.MATCH: _MATCH, J.MATCH_BY_KEYS: _MATCH_BY_KEYS})
 _encode_record: Any = getattr(_core, "encode_record", None)
 # The same, for the journal (journal.c's kinds): byte op is the op's kind + 1, or 0.
 _KIND_TABLE = bytes(_KINDS[op] + 1 if op in _KINDS else 0 for op in range(max(J.OPS) + 1))

@@ -21,7 +21,7 @@ from indexer.producer.events import encode_batch
 from indexer.query.route import Load
 from indexer.store import journal as J
 from indexer.store.journal import Raised
-from indexer.wire.keys import KEY_SEED, tokens_to_bytes
+from indexer.wire.keys import KEY_SEED, block_keys, tokens_to_bytes
 
 pytestmark = pytest.mark.skipif(core is None or not hasattr(core, "encode_record"),
                                 reason="the compiled core is not built")
@@ -72,6 +72,9 @@ def test_query_records_are_the_python_encoders(tmp_path, mode):
     for p in (prompt, other, prompt[: 4 * 13]):
         idx.match_plain(p, "default")
         idx.match(p)  # the library's door: a KeySource, predictions once routes are recorded
+        keys = block_keys(p, BS, KEY_SEED, len(p) // (4 * BS))
+        idx.match_by_keys(keys)
+        idx.match_by_keys([k + (1 << 63) if k < (1 << 63) else k for k in keys[:3]] + [0, 5])  # misses, small keys
         idx.route_body(p, model="default", load={}, link=link)
         idx.route_body(p, model="default", load={"e1/0": Load(400, 3), "e2": Load(0, 90)},
                        candidates=["e1/0", "e2", "e9"], link=None, record=False)
@@ -85,7 +88,7 @@ def test_query_records_are_the_python_encoders(tmp_path, mode):
     idx.match(toks(0, 40, BS))  # token ids as a list
     items = _queued(rec)
     ops = {it[0] for it in items}
-    assert {J.MATCH_PLAIN, J.MATCH, J.ROUTE, J.ROUTE_DONE, "note"} <= ops
+    assert {J.MATCH_PLAIN, J.MATCH, J.MATCH_BY_KEYS, J.ROUTE, J.ROUTE_DONE, "note"} <= ops
     assert any(it[0] == J.MATCH and it[3].predicted for it in items)  # an answer with predictions
     dicts = 0
     for it in items:
@@ -149,6 +152,8 @@ def test_generic_records(tmp_path):
             assert encode_result(op, 5) == (None if kind == R._GENERIC_NONE else 5), op
     assert _compiled((J.COUNT, 1.0, (), J.ROUTE, ()), "hashed") == _reference((J.COUNT, 1.0, (), J.ROUTE, ()), "hashed")
     assert _compiled((J.COUNT, 1.0, (frozenset(),), 1, ()), "hashed") is None
+    for bad in ([-1], [1 << 64], [1.0]):  # keys array("Q") refuses: the Python encoder's error
+        assert _compiled((J.MATCH_BY_KEYS, 1.0, (bad, "default"), None, ()), "hashed") is None
     assert _compiled((J.COUNT, 1.0, (-(1 << 63) - 1,), 1, ()), "hashed") is None
 
 
