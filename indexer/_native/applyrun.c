@@ -389,8 +389,7 @@ ar_item(ApplyRun *self, PyObject *arg)
         PyObject *f = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(8 + n));
         if (f != NULL) {
             unsigned char *p = (unsigned char *)PyBytes_AS_STRING(f);
-            put_le32(p, (uint32_t)n);
-            put_le32(p + 4, kvi_rec_checksum(AREC_PAYLOAD(r), n));
+            put_frame_head(p, AREC_PAYLOAD(r), n);
             memcpy(p + 8, AREC_PAYLOAD(r), n);
         }
         return f;

@@ -462,6 +462,14 @@ child_of(Node *parent, uint64_t k)
 
 /* A record frame's checksum: the low 32 bits of the body's xxh3-64, seed 0 (recframe.c). */
 KVI_HIDDEN uint32_t kvi_rec_checksum(const unsigned char *p, size_t n);
+/* A frame's head at ``p`` (recfile.frame's: length, then checksum) for the ``n`` bytes of
+ * body at ``body``. */
+static inline void
+put_frame_head(unsigned char *p, const unsigned char *body, size_t n)
+{
+    put_le32(p, (uint32_t)n);
+    put_le32(p + 4, kvi_rec_checksum(body, n));
+}
 /* The kinds it writes of the queries' records (recquery.c's, record.py's _KINDS). */
 #define KVI_REC_MATCH_PLAIN 3
 #define KVI_REC_ROUTE 4

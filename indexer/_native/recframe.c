@@ -124,8 +124,7 @@ frame_apply(const ARec *a, int hashed, uint64_t seed, Out *out, Out *pl, Out *sc
     if (a->op == AREC_ENCODED) { /* a record encoded when it was laid: its body, framed here */
         if (!room(out, 8 + payload_n))
             return -1;
-        put_le32(out->buf + out->len, (uint32_t)payload_n);
-        put_le32(out->buf + out->len + 4, kvi_rec_checksum(payload, payload_n));
+        put_frame_head(out->buf + out->len, payload, payload_n);
         out->len += 8;
         return put(out, payload, payload_n) ? 1 : -1;
     }
@@ -154,8 +153,7 @@ frame_apply(const ARec *a, int hashed, uint64_t seed, Out *out, Out *pl, Out *sc
     if (!ok)
         return -1;
     size_t n = out->len - at - 8;
-    put_le32(out->buf + at, (uint32_t)n);
-    put_le32(out->buf + at + 4, kvi_rec_checksum(out->buf + at + 8, n));
+    put_frame_head(out->buf + at, out->buf + at + 8, n);
     return 1;
 }
 
@@ -286,8 +284,7 @@ frame_many(PyObject *Py_UNUSED(mod), PyObject *bodies)
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *b = PyList_GET_ITEM(bodies, i);
         size_t len = (size_t)PyBytes_GET_SIZE(b);
-        put_le32(o, (uint32_t)len);
-        put_le32(o + 4, kvi_rec_checksum((const unsigned char *)PyBytes_AS_STRING(b), len));
+        put_frame_head(o, (const unsigned char *)PyBytes_AS_STRING(b), len);
         memcpy(o + 8, PyBytes_AS_STRING(b), len);
         o += 8 + len;
     }

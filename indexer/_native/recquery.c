@@ -9,8 +9,9 @@
  * scalar result), GENERIC_NONE (the same with no result kept: a registration),
  * MATCH_PLAIN (/query, /v1/match), ROUTE (a route: its ranking as the compiled core wrote
  * it as JSON, /v1/route, or as dicts, the library's route()), MATCH (the library's
- * match(), a prompt with no namespace) or MATCH_BY_KEYS (its match_by_keys()). ``hashed``: the prompt kept as its block keys
- * (hashed mode), else as its length (none mode; full mode is the Python encoder's).
+ * match(), a prompt with no namespace) or MATCH_BY_KEYS (its match_by_keys()).
+ * ``hashed``: the prompt kept as its block keys (hashed mode), else as its length (none
+ * mode; full mode is the Python encoder's).
  * ``raised``: journal.Raised, whose records the Python encoder keeps. The journal calls
  * kvi_lay_record with the call's parts, no tuple made (journal.c's encoded).
  *

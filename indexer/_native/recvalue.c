@@ -70,7 +70,7 @@ memo_add(const Out *o, PyObject *x, size_t at)
 }
 
 /* ``x`` when it is a float, a one-digit int, None, a bool or an ASCII string (most of an
- * answer's values), written here, inlined in the loops: 1; 0 another kind (w_obj's); -1
+ * answer's values), written here, inlined in the loops: 1; 0 another kind (w_other's); -1
  * out of memory. */
 static inline __attribute__((always_inline)) int
 w_leaf(Out *o, PyObject *x)
@@ -91,21 +91,24 @@ w_leaf(Out *o, PyObject *x)
     return 0;
 }
 
-/* ``x`` as msgspec encodes it, for the types a record holds (None, bool, int, float,
- * str, bytes, tuples and their subclasses, lists, dicts): 1; 0 any other (the record
- * is left to Python); -1 out of memory. The commonest types are tried first, each by its
- * type's address; an int of one digit and an ASCII string are read in place (through
- * PyLong and PyUnicode's functions, each value of a route's answer cost ~60
- * instructions). */
-KVI_HIDDEN int
-kvi_w_obj(Out *o, PyObject *x, int depth)
+static int w_other(Out *o, PyObject *x, int depth);
+
+/* ``x`` as msgspec encodes it: a leaf written inline, anything else by w_other. */
+static inline __attribute__((always_inline)) int
+w_value(Out *o, PyObject *x, int depth)
+{
+    int r = w_leaf(o, x);
+    return r != 0 ? r : w_other(o, x, depth);
+}
+
+/* What w_leaf does not write: an int past one digit, a string not ASCII, bytes, tuples
+ * (and their subclasses), lists and dicts. 1; 0 any other (the record is left to Python);
+ * -1 out of memory. */
+static int
+w_other(Out *o, PyObject *x, int depth)
 {
     PyTypeObject *t = Py_TYPE(x);
-    if (t == &PyFloat_Type)
-        return w_f64(o, PyFloat_AS_DOUBLE(x)) ? 1 : -1;
     if (t == &PyUnicode_Type) {
-        if (PyUnicode_IS_COMPACT_ASCII(x))
-            return w_str(o, (const char *)((PyASCIIObject *)x + 1), (size_t)PyUnicode_GET_LENGTH(x)) ? 1 : -1;
         Py_ssize_t n;
         const char *s = PyUnicode_AsUTF8AndSize(x, &n);
         if (s == NULL) {
@@ -115,9 +118,6 @@ kvi_w_obj(Out *o, PyObject *x, int depth)
         return w_str(o, s, (size_t)n) ? 1 : -1;
     }
     if (t == &PyLong_Type) {
-        int64_t small;
-        if (small_long(x, &small))
-            return w_int(o, small) ? 1 : -1;
         int of;
         long long v = PyLong_AsLongLongAndOverflow(x, &of);
         if (of == 0)
@@ -131,10 +131,6 @@ kvi_w_obj(Out *o, PyObject *x, int depth)
         }
         return put_be(o, 0xcf, u, 8) ? 1 : -1;
     }
-    if (x == Py_None)
-        return w_nil(o) ? 1 : -1;
-    if (t == &PyBool_Type)
-        return w_bool(o, x == Py_True) ? 1 : -1;
     if (t == &PyBytes_Type)
         return w_bin(o, PyBytes_AS_STRING(x), (size_t)PyBytes_GET_SIZE(x)) ? 1 : -1;
     if (depth >= DEPTH_MAX)
@@ -152,10 +148,7 @@ kvi_w_obj(Out *o, PyObject *x, int depth)
             return -1;
         for (Py_ssize_t i = 0; i < n; i++) {
             /* a list's items are read again each time: a value's encoding runs no Python */
-            PyObject *item = PySequence_Fast_GET_ITEM(x, i);
-            int r = w_leaf(o, item);
-            if (r == 0)
-                r = kvi_w_obj(o, item, depth + 1);
+            int r = w_value(o, PySequence_Fast_GET_ITEM(x, i), depth + 1);
             if (r <= 0)
                 return r;
         }
@@ -169,17 +162,27 @@ kvi_w_obj(Out *o, PyObject *x, int depth)
         Py_ssize_t pos = 0;
         PyObject *k, *v;
         while (PyDict_Next(x, &pos, &k, &v)) {
-            int r = w_leaf(o, k);
-            if (r == 0)
-                r = kvi_w_obj(o, k, depth + 1);
-            if (r > 0 && (r = w_leaf(o, v)) == 0)
-                r = kvi_w_obj(o, v, depth + 1);
+            int r = w_value(o, k, depth + 1);
+            if (r > 0)
+                r = w_value(o, v, depth + 1);
             if (r <= 0)
                 return r;
         }
         return 1;
     }
     return 0;
+}
+
+/* ``x`` as msgspec encodes it, for the types a record holds (None, bool, int, float,
+ * str, bytes, tuples and their subclasses, lists, dicts): 1; 0 any other (the record
+ * is left to Python); -1 out of memory. The commonest types are tried first, each by its
+ * type's address; an int of one digit and an ASCII string are read in place (through
+ * PyLong and PyUnicode's functions, each value of a route's answer cost ~60
+ * instructions). */
+KVI_HIDDEN int
+kvi_w_obj(Out *o, PyObject *x, int depth)
+{
+    return w_value(o, x, depth);
 }
 
 KVI_HIDDEN void
