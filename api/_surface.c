@@ -32,7 +32,9 @@ json_ws(unsigned char c)
  * [0, 2**32) into `o` as little-endian uint32 (room for (last - first) / 2 + 1
  * tokens); returns how many, or -1 for anything else (signs, fractions,
  * exponents, leading zeros, other values). The closing ']' is neither a digit, a
- * blank nor a comma: it stops every scan, so the loops need no bounds checks. */
+ * blank nor a comma: it stops every scan, so the loops need no bounds checks.
+ * A number's digits are read with no check per digit: nine or fewer cannot pass
+ * 2**32, and a longer run is bounded by its length (20 digits can pass 2**64). */
 static Py_ssize_t
 parse_u32_array(const unsigned char *p, const unsigned char *last, unsigned char *o)
 {
@@ -43,19 +45,20 @@ parse_u32_array(const unsigned char *p, const unsigned char *last, unsigned char
     if (p == last)
         return 0;
     for (;;) {
+        const unsigned char *s = p;
         unsigned d = (unsigned)*p - '0';
         if (d > 9)
             return -1;
         uint64_t v = d;
         p++;
-        if (v == 0 && (unsigned)*p - '0' <= 9)
-            return -1; /* a leading zero is not JSON */
         while ((d = (unsigned)*p - '0') <= 9) {
             v = v * 10 + d;
-            if (v > 0xffffffffULL)
-                return -1;
             p++;
         }
+        if (p - s > 9 && (p - s > 10 || v > 0xffffffffULL))
+            return -1;
+        if (*s == '0' && p - s > 1)
+            return -1; /* a leading zero is not JSON */
         put_le32(o + n * 4, (uint32_t)v);
         n++;
         while (json_ws(*p))

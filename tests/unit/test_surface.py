@@ -96,6 +96,18 @@ def test_json_split_declines_what_is_not_a_plain_body(body) -> None:
     assert _surface.split_tokens_json(body) is None
 
 
+@pytest.mark.parametrize("text", ["0", "9", "999999999", "1000000000", "4294967295", "4294967296", "9999999999",
+                                  "10000000000", "00", "007", "18446744073709551621", "36893488147419103237",
+                                  "99999999999999999999999"])
+def test_json_split_reads_every_length_of_number(text) -> None:
+    """Digits are read with no check per digit: a number is bounded by its length, so one
+    that wraps 2**64 (the last two: 2**64 + 5 and 2**65 + 5) is still refused."""
+    v = int(text)
+    ok = 0 <= v < 2**32 and (text == "0" or not text.startswith("0"))
+    want = (b"{}", struct.pack("<2I", 1, v)) if ok else None
+    assert _surface.split_tokens_json(b'{"token_ids": [1, ' + text.encode() + b"]}") == want
+
+
 @given(st.binary(max_size=300))
 @settings(max_examples=1000, deadline=None)
 def test_json_split_survives_any_bytes(raw) -> None:
