@@ -4,21 +4,32 @@ NVIDIA Dynamo's standalone indexer, side by side, at their defaults.
 Both servers are started and fed as ``bench_services.py`` starts and feeds them (the same
 workload: ``--entries`` over 8 engines' real ZMQ PUB sockets; ours ``kv-indexer serve``,
 one event loop; Dynamo ``python -m dynamo.indexer`` from ``.venv-dynamo``, 4 threads). Then
-the load generator is ``wrk`` (Debian's package: compiled, event-driven, one connection per
-client kept alive), ``--threads`` threads, for ``--seconds`` per point, POSTing the same
-1,024-token body every engine holds whole (the most work per answer):
+a compiled load generator (``--tool``: ``h2load``, nghttp2's, by default, or ``wrk``; both
+Debian packages, event-driven, one connection per client kept alive), ``--threads``
+threads, for ``--seconds`` per point, POSTs the same 1,024-token body every engine holds
+whole (the most work per answer):
 
 * ``/query`` on both (Dynamo's route; ours implements it), and ``/v1/route`` on ours (the
   full route, dry: ``record`` false, so the in-flight view stays empty);
 * at ``--clients`` concurrent connections (default 1, 16, 64, 256).
 
-Reported per point: requests/s, wrk's p50 and p99 latency, and wrk's own CPU (user + system
-over the run, % of one core): on this 2-vCPU VM wrk shares the cores with the server, so its
-CPU says how much of the machine the load itself took. Each point is the median of
-``--runs`` (default 3) runs, the two servers alternating within a run, with [min-max].
-Figures are reported, never asserted.
+Reported per point: requests/s, p50 and p99 latency, and the load generator's own CPU
+(user + system over the run, % of one core): on this 2-vCPU VM it shares the cores with the
+server, so its CPU says how much of the machine the load itself took. h2load's latencies are
+read from its per-request log (``--log-file``: every request of the measured period, after
+a 1 s warm-up); wrk's from its ``--latency`` percentiles.
 
-    apt-get install wrk
+Each point also checks its latencies against Little's law: with every client keeping one
+request outstanding, the mean latency is ``clients / (requests/s)``. The column ``mean /
+law`` is the measured mean over that; far from 1.0, the tool's latencies are not the
+server's. (wrk 4.1's, with two threads and 256 connections, read ~3x the law against our
+server while its requests/s held: its p99 of 0.5-1.3 s there was wrk's, not the server's;
+h2load's, on the same server and points, are within a few percent of it.)
+
+Each point is the median of ``--runs`` (default 3) runs, the two servers alternating within a
+run, with [min-max]. Figures are reported, never asserted.
+
+    apt-get install nghttp2-client    # h2load; or wrk, with --tool wrk
     .venv/bin/python benchmarks/bench_concurrency.py [--entries 1000000] [--runs 3] [--clients 1 16 64 256]
 """
 
@@ -45,33 +56,64 @@ from _report import header, peer_available, table  # noqa: E402
 _UNIT = {"us": 1.0, "ms": 1e3, "s": 1e6}
 
 
+def _run(cmd: list[str]) -> tuple[str, float]:
+    """Run the load generator: its output and its CPU (user + system) as % of one core."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    t0 = time.perf_counter()
+    _, status, ru = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t0
+    out = p.stdout.read() if p.stdout else ""
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{cmd[0]} failed: {out}")
+    return out, (ru.ru_utime + ru.ru_stime) / wall * 100
+
+
 def wrk(port: int, path: str, body: bytes, clients: int, threads: int, seconds: float) -> dict:
-    """One wrk run: requests/s, p50 and p99 (us), wrk's CPU (% of one core)."""
+    """One wrk run: requests/s, mean, p50 and p99 (us), wrk's CPU (% of one core)."""
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
         f.write('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n')
         f.write(f"wrk.body = {json.dumps(body.decode())}\n")
         script = f.name
     try:
-        cmd = ["wrk", "-t", str(min(threads, clients)), "-c", str(clients), "-d", f"{seconds:g}s", "--latency",
-               "-s", script, f"http://127.0.0.1:{port}{path}"]
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        t0 = time.perf_counter()
-        _, status, ru = os.wait4(p.pid, 0)
-        wall = time.perf_counter() - t0
-        out = p.stdout.read() if p.stdout else ""
-        p.returncode = os.waitstatus_to_exitcode(status)
+        out, cpu = _run(["wrk", "-t", str(min(threads, clients)), "-c", str(clients), "-d", f"{seconds:g}s",
+                         "--latency", "-s", script, f"http://127.0.0.1:{port}{path}"])
     finally:
         os.unlink(script)
-    if p.returncode != 0:
-        raise RuntimeError(f"wrk failed: {out}")
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
     errors = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
     if errors:
         raise RuntimeError(f"{path} answered {errors.group(1)} errors at {clients} clients")
     pct = {int(m.group(1)): float(m.group(2)) * _UNIT[m.group(3)]
            for m in re.finditer(r"^\s+(\d+)%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)}
-    return {"rps": rps, "p50_us": pct[50], "p99_us": pct[99],
-            "wrk_cpu_pct": (ru.ru_utime + ru.ru_stime) / wall * 100}
+    mean = re.search(r"^\s+Latency\s+([\d.]+)(us|ms|s)", out, re.M)
+    return {"rps": rps, "mean_us": float(mean.group(1)) * _UNIT[mean.group(2)],  # type: ignore[union-attr]
+            "p50_us": pct[50], "p99_us": pct[99], "tool_cpu_pct": cpu}
+
+
+def h2load(port: int, path: str, body: bytes, clients: int, threads: int, seconds: float) -> dict:
+    """One h2load run (HTTP/1.1): requests/s, mean, p50 and p99 (us) of every request of the
+    measured period (its per-request log), h2load's CPU (% of one core)."""
+    with tempfile.TemporaryDirectory(prefix="kvi-h2load-") as d:
+        data, log = Path(d) / "body.json", Path(d) / "requests.log"
+        data.write_bytes(body)
+        out, cpu = _run(["h2load", "--h1", "-t", str(min(threads, clients)), "-c", str(clients),
+                         "-D", f"{seconds:g}", "--warm-up-time=1", "-d", str(data),
+                         "-H", "Content-Type: application/json", f"--log-file={log}",
+                         f"http://127.0.0.1:{port}{path}"])
+        # One line per request: start (us since the epoch), status, microseconds to its end.
+        rows = [line.split("\t") for line in log.read_text().splitlines()]
+    bad = sum(1 for r in rows if not r[1].startswith("2"))
+    done = re.search(r"requests: (\d+) total, \d+ started, (\d+) done, (\d+) succeeded", out)
+    if bad or done is None or done.group(2) != done.group(3):
+        raise RuntimeError(f"{path} at {clients} clients: {bad} non-2xx answers; {out[-600:]}")
+    lat = sorted(int(r[2]) for r in rows)
+    n = len(lat)
+    rps = float(re.search(r"finished in [\d.]+s, ([\d.]+) req/s", out).group(1))  # type: ignore[union-attr]
+    return {"rps": rps, "mean_us": sum(lat) / n, "p50_us": float(lat[n // 2]),
+            "p99_us": float(lat[min(n - 1, int(n * 0.99))]), "tool_cpu_pct": cpu}
+
+
+TOOLS = {"h2load": h2load, "wrk": wrk}
 
 
 def main() -> None:
@@ -79,13 +121,15 @@ def main() -> None:
     ap.add_argument("--entries", type=float, default=1e6)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64, 256])
-    ap.add_argument("--threads", type=int, default=2, help="wrk threads (at most one per client)")
+    ap.add_argument("--threads", type=int, default=2, help="load generator threads (at most one per client)")
     ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--tool", choices=sorted(TOOLS), default="h2load", help="the load generator")
     ap.add_argument("--no-peer", action="store_true", help="ours only")
     args = ap.parse_args()
-    if shutil.which("wrk") is None:
-        sys.exit("wrk not found: apt-get install wrk")
-    header("query throughput with concurrent keep-alive clients (wrk), ours and Dynamo", args)
+    if shutil.which(args.tool) is None:
+        sys.exit(f"{args.tool} not found: apt-get install {'nghttp2-client' if args.tool == 'h2load' else 'wrk'}")
+    load = TOOLS[args.tool]
+    header(f"query throughput with concurrent keep-alive clients ({args.tool}), ours and Dynamo", args)
     w = bs.Workload(int(args.entries), 8)
     body = bs.query_body(w.shared[0].tolist())
     route = json.dumps({"token_ids": w.shared[0].tolist(), "model": "default", "record": False}).encode()
@@ -101,18 +145,19 @@ def main() -> None:
                 ports[kind] = c.conn.port
             for clients in args.clients:
                 for kind, path, req in (points if r % 2 == 0 else points[::-1]):
-                    fig = wrk(ports[kind], path, req, clients, args.threads, args.seconds)
+                    fig = load(ports[kind], path, req, clients, args.threads, args.seconds)
                     res.setdefault((kind, path, clients), []).append(fig)
+                    fig["law"] = fig["mean_us"] / (clients / fig["rps"] * 1e6)
                     print(f"[run {r + 1}] {kind:6} {path:10} {clients:4} clients: {fig['rps']:9,.0f} req/s, "
-                          f"p50 {fig['p50_us']:8.0f} us, p99 {fig['p99_us']:8.0f} us, wrk CPU {fig['wrk_cpu_pct']:.0f}%",
-                          flush=True)
+                          f"p50 {fig['p50_us']:8.0f} us, p99 {fig['p99_us']:8.0f} us, mean/law {fig['law']:.2f}, "
+                          f"{args.tool} CPU {fig['tool_cpu_pct']:.0f}%", flush=True)
 
-    def med(kind: str, path: str, clients: int, key: str) -> tuple[float, str]:
+    def med(kind: str, path: str, clients: int, key: str, fmt: str = ",.0f") -> tuple[float, str]:
         xs = [f[key] for f in res.get((kind, path, clients), [])]
         if not xs:
             return float("nan"), "-"
         m = statistics.median(xs)
-        return m, f"{m:,.0f} [{min(xs):,.0f}-{max(xs):,.0f}]"
+        return m, f"{m:{fmt}} [{min(xs):{fmt}}-{max(xs):{fmt}}]"
 
     rows = []
     for clients in args.clients:
@@ -122,12 +167,14 @@ def main() -> None:
         dp, dps = med("dynamo", "/query", clients, "p99_us")
         _, rts = med("ours", "/v1/route", clients, "rps")
         _, rtp = med("ours", "/v1/route", clients, "p99_us")
-        _, cpu = med("ours", "/query", clients, "wrk_cpu_pct")
+        _, cpu = med("ours", "/query", clients, "tool_cpu_pct")
+        law = "/".join(med(k, "/query", clients, "law", ".2f")[1].split(" ")[0] for k in ("ours", "dynamo"))
         rows.append([clients, os_, ds, f"{o / d:.2f}x" if d == d else "-", ops, dps,
-                     f"{op / dp:.2f}x" if dp == dp else "-", rts, rtp, cpu])
+                     f"{op / dp:.2f}x" if dp == dp else "-", rts, rtp, cpu, law])
     print(table(["clients", "ours /query req/s", "Dynamo /query req/s", "ratio", "ours p99 us", "Dynamo p99 us",
-                 "p99 ratio", "ours /v1/route req/s", "/v1/route p99 us", "wrk CPU % (ours /query)"], rows,
-                title=f"## {w.entries:,} entries, 8 engines, wrk -t {args.threads}, {args.seconds:g} s a point, "
+                 "p99 ratio", "ours /v1/route req/s", "/v1/route p99 us", f"{args.tool} CPU % (ours /query)",
+                 "mean / law (ours/Dynamo)"], rows,
+                title=f"## {w.entries:,} entries, 8 engines, {args.tool} -t {args.threads}, {args.seconds:g} s a point, "
                       f"medians of {args.runs} runs [min-max]"))
 
 
