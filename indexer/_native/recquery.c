@@ -68,11 +68,18 @@ w_prompt(Out *o, PyObject *buf, const Py_ssize_t *bss, Py_ssize_t nsz, int hashe
             return -1;
         const KeyMemo *km = &kvi_key_memo; /* the keys the query made, if it made them */
         Py_ssize_t j = 0;
-        if (km->buf == buf && km->bs == bs && km->seed == seed)
-            for (; j < n && j < km->m; j++) {
-                put_le64(o->buf + o->len, km->keys[j]);
+        if (km->buf == buf && km->bs == bs && km->seed == seed) {
+            j = n < km->m ? n : km->m;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+            memcpy(o->buf + o->len, km->keys, (size_t)j * 8); /* native order is the record's */
+            o->len += (size_t)j * 8;
+#else
+            for (Py_ssize_t i = 0; i < j; i++) {
+                put_le64(o->buf + o->len, km->keys[i]);
                 o->len += 8;
             }
+#endif
+        }
         for (; j < n; j++) {
             put_le64(o->buf + o->len, kvi_xxh3_64(p + (size_t)j * step, step, seed));
             o->len += 8;
@@ -172,6 +179,9 @@ w_best(Out *sum, PyObject *best)
     if (!w_arr(sum, 2) || !w_str_head(sum, ne + 1 + (size_t)nd) || !put(sum, (PyASCIIObject *)engine + 1, ne) ||
         !put(sum, "/", 1) || !put(sum, digits + sizeof digits - nd, (size_t)nd))
         return -1;
+    PyObject *neg = PyTuple_GET_ITEM(best, 0);
+    if (PyFloat_CheckExact(neg)) /* WorkerMatch.score, -self[0] + 0.0, with no Python frame (~900 instructions) */
+        return w_f64(sum, -PyFloat_AS_DOUBLE(neg) + 0.0) ? 1 : -1;
     PyObject *score = attr(best, N_SCORE);
     int r = score == NULL ? -1 : w_obj(sum, score, 0);
     Py_XDECREF(score);
