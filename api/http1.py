@@ -27,13 +27,14 @@ reads. Any other read, and every header that changes the framing or the connecti
 goes to the parser as above; so does everything held, should a read bring more than
 the held request.
 
-A hot route's answers are written once per turn of the event loop (``_Outbox``): the
-requests that one wake-up of the loop reads are answered first, then their responses
-written back to back (at most ``OUTBOX_MAX`` held). Written one at a time, each response
-woke its client's thread (on a 2-vCPU VM, an interprocessor interrupt each: an eighth of
-the server's CPU at 64 clients); back to back, the first wakes it and the rest find it
-awake. At 64 keep-alive clients that was ~30% more queries a second and half the p99
-(benchmarks/bench_concurrency.py); one client alone pays one more loop callback.
+A hot route's answers go out once per turn of the event loop (``_Outbox``): the first
+answer of a turn is written at once, the others that the same wake-up of the loop reads
+and answers are held and written back to back when the turn ends (at most ``OUTBOX_MAX``
+held). Written one at a time, each response woke its client's thread (on a 2-vCPU VM, an
+interprocessor interrupt each: an eighth of the server's CPU at 64 clients); back to back,
+the first wakes it and the rest find it awake. At 64 keep-alive clients that was ~30% more
+queries a second and half the p99 (benchmarks/bench_concurrency.py); a lone client's
+answer is written as before, and the turn's end costs one loop callback after it.
 
 Not seen on the hot routes: ``X-Forwarded-For`` (uvicorn's proxy-headers
 middleware), which only named the client in a refused-token log line there.
@@ -155,31 +156,42 @@ class _Resumed:
 
 
 # Responses held at most before they are written (see the module doc): 64 answers of a
-# 1,024-token /query are ~1 ms of the loop, what the first of them waits at most (16
-# held kept a third of the gain at 64 clients; 64 and 256, and no bound, were alike).
+# 1,024-token /query are ~1 ms of the loop, what the first held waits at most (16 held
+# kept a third of the gain at 64 clients; 64 and 256, and no bound, were alike).
 OUTBOX_MAX = 64
 
 
 class _Outbox:
-    """The hot routes' responses answered in this turn of the event loop, written together
-    when it ends (a callback the first one schedules), or as soon as ``OUTBOX_MAX`` wait.
-    One per event loop: bind() makes one for the server's protocol class."""
+    """The hot routes' responses of one turn of the event loop: the turn's first written at
+    once, the rest held and written together when the turn ends (a callback the first one
+    schedules), or as soon as ``OUTBOX_MAX`` wait. One per event loop: bind() makes one
+    for the server's protocol class."""
 
-    __slots__ = ("items",)
+    __slots__ = ("items", "turn")
 
     def __init__(self) -> None:
         self.items: list[tuple[Any, bytes, bool]] = []
+        self.turn = False  # a response went out in this turn: the next ones are held
 
     def put(self, loop: Any, transport: Any, data: bytes, close: bool) -> None:
-        """Hold ``data`` for ``transport`` (then close it when ``close``)."""
-        items = self.items
-        if not items:
-            loop.call_soon(self.flush)
-        items.append((transport, data, close))
-        if len(items) >= OUTBOX_MAX:
-            self.flush()
+        """Write ``data`` to ``transport``, or hold it till the turn ends (then close the
+        transport when ``close``)."""
+        if self.turn:
+            items = self.items
+            items.append((transport, data, close))
+            if len(items) >= OUTBOX_MAX:
+                self._write()
+            return
+        self.turn = True
+        loop.call_soon(self.flush)
+        _send(transport, data, close)
 
     def flush(self) -> None:
+        """End the turn: write what is held."""
+        self.turn = False
+        self._write()
+
+    def _write(self) -> None:
         """Write what is held, in the order it was answered (a connection's pipelined
         answers in its requests' order); a connection closed meanwhile gets nothing."""
         items = self.items
@@ -187,14 +199,17 @@ class _Outbox:
             return
         self.items = []
         for transport, data, close in items:
-            if transport.is_closing():
-                continue
-            try:
-                transport.write(data)
-                if close:
-                    transport.close()
-            except Exception:  # one connection's failure is not the others'
-                log.exception("writing a response failed")
+            if not transport.is_closing():
+                _send(transport, data, close)
+
+
+def _send(transport: Any, data: bytes, close: bool) -> None:
+    try:
+        transport.write(data)
+        if close:
+            transport.close()
+    except Exception:  # one connection's failure is not the others'
+        log.exception("writing a response failed")
 
 
 class FastHttpToolsProtocol(HttpToolsProtocol):

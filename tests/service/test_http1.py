@@ -181,13 +181,13 @@ class _Transport:
         self.log.append((self.name, "closed"))
 
 
-def test_outbox_writes_a_turns_answers_together_in_order():
-    """Answers held during a turn of the loop are written when it ends, in the order they
-    were answered (a connection's pipelined answers too); a connection closed meanwhile
-    gets nothing; one whose write fails does not stop the others; a close asked for comes
-    after its answer."""
+def test_outbox_writes_a_turns_first_answer_then_the_rest_together_in_order():
+    """A turn's first answer is written at once; the others are held until the turn ends,
+    then written in the order they were answered (a connection's pipelined answers too); a
+    connection closed meanwhile gets nothing; one whose write fails does not stop the
+    others; a close asked for comes after its answer. The next turn starts over."""
 
-    async def main() -> list:
+    async def main() -> tuple[list, list, list]:
         loop = asyncio.get_running_loop()
         log: list = []
         box = _Outbox()
@@ -199,11 +199,16 @@ def test_outbox_writes_a_turns_answers_together_in_order():
         box.put(loop, gone, b"g1", False)
         box.put(loop, a, b"a2", False)
         gone.closing = True  # the client went away before the turn ended
-        assert log == []  # nothing written while the turn goes on
+        first = list(log)
         await asyncio.sleep(0)  # the turn ends: the callback the first answer scheduled runs
-        return log
+        turn = list(log)
+        box.put(loop, a, b"a3", False)  # a new turn: written at once again
+        return first, turn, log
 
-    assert asyncio.run(main()) == [("a", b"a1"), ("b", b"b1"), ("b", "closed"), ("a", b"a2")]
+    first, turn, log = asyncio.run(main())
+    assert first == [("a", b"a1")]
+    assert turn == first + [("b", b"b1"), ("b", "closed"), ("a", b"a2")]
+    assert log == turn + [("a", b"a3")]
 
 
 def test_outbox_writes_as_soon_as_its_bound_is_held(monkeypatch):
@@ -214,15 +219,15 @@ def test_outbox_writes_as_soon_as_its_bound_is_held(monkeypatch):
         log: list = []
         box = _Outbox()
         t = _Transport(log, "t")
-        for i in range(4):
+        for i in range(5):
             box.put(loop, t, b"%d" % i, False)
-        early = list(log)  # the first three, written when the third was held
+        early = list(log)  # the first at once, then 1-3 when the third was held
         await asyncio.sleep(0)
         return early, log
 
     early, log = asyncio.run(main())
-    assert early == [("t", b"0"), ("t", b"1"), ("t", b"2")]
-    assert log == early + [("t", b"3")]
+    assert early == [("t", b"0"), ("t", b"1"), ("t", b"2"), ("t", b"3")]
+    assert log == early + [("t", b"4")]
 
 
 def test_many_clients_at_once_each_get_their_own_answer(open_server):
