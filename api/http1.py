@@ -66,7 +66,7 @@ __all__ = ["bind"]
 # it reads and sets (assigned in the methods named).
 _METHODS = ("data_received", "shutdown", "on_message_begin", "on_headers_complete", "on_body",
             "on_message_complete", "on_response_complete", "_start_asgi_task", "timeout_keep_alive_handler",
-            "_unset_keepalive_if_required")
+            "_unset_keepalive_if_required", "send_400_response", "handle_websocket_upgrade")
 _ATTRIBUTES = {
     "__init__": ("access_log", "limit_concurrency", "timeout_keep_alive_task", "timeout_keep_alive", "server_state",
                  "tasks", "pipeline", "cycle", "loop", "parser", "transport", "flow"),
@@ -173,18 +173,19 @@ class _Outbox:
         self.items: list[tuple[Any, bytes, bool]] = []
         self.turn = False  # a response went out in this turn: the next ones are held
 
-    def put(self, loop: Any, transport: Any, data: bytes, close: bool) -> None:
-        """Write ``data`` to ``transport``, or hold it till the turn ends (then close the
-        transport when ``close``)."""
+    def put(self, proto: Any, data: bytes, close: bool) -> None:
+        """Write ``data`` to ``proto``'s connection, or hold it till the turn ends (setting
+        ``proto.out_held``); then close the connection when ``close``."""
         if self.turn:
             items = self.items
-            items.append((transport, data, close))
+            items.append((proto, data, close))
+            proto.out_held = True
             if len(items) >= OUTBOX_MAX:
                 self._write()
             return
         self.turn = True
-        loop.call_soon(self.flush)
-        _send(transport, data, close)
+        proto.loop.call_soon(self.flush)
+        _send(proto.transport, data, close)
 
     def flush(self) -> None:
         """End the turn: write what is held."""
@@ -198,9 +199,10 @@ class _Outbox:
         if not items:
             return
         self.items = []
-        for transport, data, close in items:
-            if not transport.is_closing():
-                _send(transport, data, close)
+        for proto, data, close in items:
+            proto.out_held = False
+            if not proto.transport.is_closing():
+                _send(proto.transport, data, close)
 
 
 def _send(transport: Any, data: bytes, close: bool) -> None:
@@ -233,6 +235,7 @@ class FastHttpToolsProtocol(HttpToolsProtocol):
         # starts, the route).
         self._held: tuple[list[bytes], int, int, int, Any] | None = None
         self._closing = False  # shutdown came while a request was held
+        self.out_held = False  # an answer of this connection waits in the outbox
         hot = self.endpoints.hot
         # Whole hot requests read without the parser (_raw): {raw path: route}, when nothing
         # per request needs what only the parser's callbacks give (auth reads the headers).
@@ -249,6 +252,19 @@ class FastHttpToolsProtocol(HttpToolsProtocol):
                 and (self.cycle is None or self.cycle.response_complete) and self._raw(data)):
             return
         super().data_received(data)
+
+    # uvicorn writes at once in two places, inside the parser's read (data_received): a 400
+    # (then a close) for bytes that are not HTTP, and the switch to a WebSocket. An answer
+    # of this connection that the same read made and the outbox holds goes out first.
+    def send_400_response(self, msg: str) -> None:
+        if self.out_held:
+            self.outbox.flush()
+        super().send_400_response(msg)
+
+    def handle_websocket_upgrade(self) -> None:
+        if self.out_held:
+            self.outbox.flush()
+        super().handle_websocket_upgrade()
 
     def _more(self, data: bytes) -> None:
         """The next read of a held request: answer it once whole; hand everything read so
@@ -446,7 +462,7 @@ class FastHttpToolsProtocol(HttpToolsProtocol):
             parts += [name, b": ", value, b"\r\n"]
         parts += [_JSON_HEADERS, b"%d\r\n\r\n" % len(body), body]
         # Closed once written when the server is shutting down (not keep_alive).
-        self.outbox.put(self.loop, self.transport, b"".join(parts), not cycle.keep_alive)
+        self.outbox.put(self, b"".join(parts), not cycle.keep_alive)
         self.on_response_complete()
 
 

@@ -162,11 +162,13 @@ def test_resumed_handler_finishes_in_a_task():
 
 
 class _Transport:
-    """Records what a response writer does to a connection (a closing one refuses writes,
-    as uvloop's does)."""
+    """A connection's protocol (its loop, whether an answer of it is held) and transport,
+    recording what a response writer does to it (a closing one refuses writes, as
+    uvloop's does)."""
 
     def __init__(self, log: list, name: str, closing: bool = False, fail: bool = False) -> None:
         self.log, self.name, self.closing, self.fail = log, name, closing, fail
+        self.transport, self.loop, self.out_held = self, asyncio.get_running_loop(), False
 
     def is_closing(self) -> bool:
         return self.closing
@@ -187,26 +189,27 @@ def test_outbox_writes_a_turns_first_answer_then_the_rest_together_in_order():
     connection closed meanwhile gets nothing; one whose write fails does not stop the
     others; a close asked for comes after its answer. The next turn starts over."""
 
-    async def main() -> tuple[list, list, list]:
-        loop = asyncio.get_running_loop()
+    async def main() -> tuple[list, list, list, list]:
         log: list = []
         box = _Outbox()
         a, b, gone, bad = (_Transport(log, "a"), _Transport(log, "b"), _Transport(log, "gone"),
                            _Transport(log, "bad", fail=True))
-        box.put(loop, a, b"a1", False)
-        box.put(loop, bad, b"x", False)
-        box.put(loop, b, b"b1", True)
-        box.put(loop, gone, b"g1", False)
-        box.put(loop, a, b"a2", False)
+        box.put(a, b"a1", False)
+        box.put(bad, b"x", False)
+        box.put(b, b"b1", True)
+        box.put(gone, b"g1", False)
+        box.put(a, b"a2", False)
         gone.closing = True  # the client went away before the turn ended
         first = list(log)
+        held = [t.out_held for t in (a, b, gone, bad)]
         await asyncio.sleep(0)  # the turn ends: the callback the first answer scheduled runs
         turn = list(log)
-        box.put(loop, a, b"a3", False)  # a new turn: written at once again
-        return first, turn, log
+        box.put(a, b"a3", False)  # a new turn: written at once again
+        return first, held, turn, log
 
-    first, turn, log = asyncio.run(main())
+    first, held, turn, log = asyncio.run(main())
     assert first == [("a", b"a1")]
+    assert held == [True, True, True, True]  # a: a2 held (a1 was not)
     assert turn == first + [("b", b"b1"), ("b", "closed"), ("a", b"a2")]
     assert log == turn + [("a", b"a3")]
 
@@ -215,12 +218,11 @@ def test_outbox_writes_as_soon_as_its_bound_is_held(monkeypatch):
     monkeypatch.setattr(http1, "OUTBOX_MAX", 3)
 
     async def main() -> tuple[list, list]:
-        loop = asyncio.get_running_loop()
         log: list = []
         box = _Outbox()
         t = _Transport(log, "t")
         for i in range(5):
-            box.put(loop, t, b"%d" % i, False)
+            box.put(t, b"%d" % i, False)
         early = list(log)  # the first at once, then 1-3 when the third was held
         await asyncio.sleep(0)
         return early, log
@@ -243,6 +245,26 @@ def test_many_clients_at_once_each_get_their_own_answer(open_server):
                 status, _, body = _read_response(f)
                 assert (status, json.loads(body)) == (404, {"error": f"no indexer for model=m{i}-{turn} "
                                                                      "routing_group=default"})
+    finally:
+        for s, _ in conns:
+            s.close()
+
+
+def test_an_answer_held_for_its_turn_goes_out_before_the_parser_answers_what_follows(open_server):
+    """A pipelined hot request and then bytes that are not HTTP, in one read, on many
+    connections at once (so that most answers are held for the end of their turn): each
+    connection gets its answer, then the parser's 400 for the rest, then is closed; an
+    answer held when the parser wrote its 400 and closed the connection would be lost."""
+    conns = [_conn(open_server) for _ in range(24)]
+    try:
+        for i, (s, _) in enumerate(conns):
+            s.sendall(_post("/query", {"token_ids": [7] * 16, "model_name": f"p{i}"}, token=None) + b"\x00\x01 junk\r\n\r\n")
+        for i, (_, f) in enumerate(conns):
+            status, _, body = _read_response(f)
+            assert (status, json.loads(body)) == (404, {"error": f"no indexer for model=p{i} routing_group=default"})
+            status, _, _ = _read_response(f)
+            assert status == 400
+            assert f.read(1) == b""  # closed
     finally:
         for s, _ in conns:
             s.close()
