@@ -146,18 +146,18 @@ def main() -> None:
             for clients in args.clients:
                 for kind, path, req in (points if r % 2 == 0 else points[::-1]):
                     fig = load(ports[kind], path, req, clients, args.threads, args.seconds)
-                    res.setdefault((kind, path, clients), []).append(fig)
                     fig["law"] = fig["mean_us"] / (clients / fig["rps"] * 1e6)
+                    res.setdefault((kind, path, clients), []).append(fig)
                     print(f"[run {r + 1}] {kind:6} {path:10} {clients:4} clients: {fig['rps']:9,.0f} req/s, "
                           f"p50 {fig['p50_us']:8.0f} us, p99 {fig['p99_us']:8.0f} us, mean/law {fig['law']:.2f}, "
                           f"{args.tool} CPU {fig['tool_cpu_pct']:.0f}%", flush=True)
 
-    def med(kind: str, path: str, clients: int, key: str, fmt: str = ",.0f") -> tuple[float, str]:
+    def med(kind: str, path: str, clients: int, key: str) -> tuple[float, str]:
         xs = [f[key] for f in res.get((kind, path, clients), [])]
         if not xs:
             return float("nan"), "-"
         m = statistics.median(xs)
-        return m, f"{m:{fmt}} [{min(xs):{fmt}}-{max(xs):{fmt}}]"
+        return m, f"{m:,.0f} [{min(xs):,.0f}-{max(xs):,.0f}]"
 
     rows = []
     for clients in args.clients:
@@ -168,7 +168,8 @@ def main() -> None:
         _, rts = med("ours", "/v1/route", clients, "rps")
         _, rtp = med("ours", "/v1/route", clients, "p99_us")
         _, cpu = med("ours", "/query", clients, "tool_cpu_pct")
-        law = "/".join(med(k, "/query", clients, "law", ".2f")[1].split(" ")[0] for k in ("ours", "dynamo"))
+        laws = (med(k, "/query", clients, "law")[0] for k in ("ours", "dynamo"))
+        law = "/".join(f"{m:.2f}" if m == m else "-" for m in laws)  # nan: no such runs
         rows.append([clients, os_, ds, f"{o / d:.2f}x" if d == d else "-", ops, dps,
                      f"{op / dp:.2f}x" if dp == dp else "-", rts, rtp, cpu, law])
     print(table(["clients", "ours /query req/s", "Dynamo /query req/s", "ratio", "ours p99 us", "Dynamo p99 us",

@@ -30,13 +30,6 @@ enum { K_NOTE, K_GENERIC, K_GENERIC_NONE, K_MATCH_PLAIN = KVI_REC_MATCH_PLAIN, K
 
 /* ------------------------------------------------------------------ values */
 
-/* recvalue.c's, as this file calls it. */
-static inline int
-w_obj(Out *o, PyObject *x, int depth)
-{
-    return kvi_w_obj(o, x, depth);
-}
-
 static int
 w_u64(Out *o, uint64_t u)
 {
@@ -47,7 +40,7 @@ w_u64(Out *o, uint64_t u)
 
 /* recops._query of a prompt with no namespace (seed ``seed``): ``{"n": ntok, "k": {bs:
  * keys}}`` for each of the ``nsz`` block sizes ``bss``, or ``{"n": ntok}`` unless
- * ``hashed``. 1, 0, -1 as w_obj. */
+ * ``hashed``. 1, 0, -1 as kvi_w_obj. */
 static int
 w_prompt(Out *o, PyObject *buf, const Py_ssize_t *bss, Py_ssize_t nsz, int hashed, uint64_t seed)
 {
@@ -156,7 +149,7 @@ attr(PyObject *o, int i)
 }
 
 /* The answer's summary of its best worker (a WorkerMatch): ``[f"{engine}/{dp_rank}",
- * best.score]``. 1, 0, -1 as w_obj. */
+ * best.score]``. 1, 0, -1 as kvi_w_obj. */
 static int
 w_best(Out *sum, PyObject *best)
 {
@@ -183,13 +176,13 @@ w_best(Out *sum, PyObject *best)
     if (PyFloat_CheckExact(neg)) /* WorkerMatch.score, -self[0] + 0.0, with no Python frame (~900 instructions) */
         return w_f64(sum, -PyFloat_AS_DOUBLE(neg) + 0.0) ? 1 : -1;
     PyObject *score = attr(best, N_SCORE);
-    int r = score == NULL ? -1 : w_obj(sum, score, 0);
+    int r = score == NULL ? -1 : kvi_w_obj(sum, score, 0);
     Py_XDECREF(score);
     return r;
 }
 
 /* A match's answer (recops.encode_result): nil without one, else a MatchResult's body,
- * digest and summary. 1, 0, -1 as w_obj. */
+ * digest and summary. 1, 0, -1 as kvi_w_obj. */
 static int
 w_match_answer(Out *o, Out *body, Out *sum, PyObject *result)
 {
@@ -197,7 +190,7 @@ w_match_answer(Out *o, Out *body, Out *sum, PyObject *result)
         return w_nil(o) ? 1 : -1;
     if (!PyTuple_Check(result) || PyTuple_GET_SIZE(result) != 6)
         return 0;
-    int r = w_obj(body, result, 0);
+    int r = kvi_w_obj(body, result, 0);
     if (r <= 0)
         return r;
     PyObject *best = PyTuple_GET_ITEM(result, 4);
@@ -224,7 +217,7 @@ w_match_plain(Out *o, Out *body, Out *sum, PyObject *args, PyObject *result, int
     }
     int r = w_arr(o, 2) ? w_prompt(o, PyTuple_GET_ITEM(args, 0), &bs, bs ? 1 : 0, hashed, seed) : -1;
     if (r > 0)
-        r = w_obj(o, PyTuple_GET_ITEM(args, 1), 0);
+        r = kvi_w_obj(o, PyTuple_GET_ITEM(args, 1), 0);
     return r <= 0 ? r : w_match_answer(o, body, sum, result);
 }
 
@@ -239,16 +232,8 @@ w_keys(Out *o, PyObject *keys, int hashed)
         return -1;
     for (Py_ssize_t i = 0; hashed && i < n; i++) {
         PyObject *k = PyList_GET_ITEM(keys, i);
-        int64_t small;
         uint64_t u;
-        if (!PyLong_CheckExact(k))
-            return 0;
-        if (small_long(k, &small)) {
-            if (small < 0)
-                return 0;
-            u = (uint64_t)small;
-        }
-        else if ((u = PyLong_AsUnsignedLongLong(k)) == (uint64_t)-1 && PyErr_Occurred()) {
+        if (!PyLong_CheckExact(k) || as_u64(k, &u) <= 0) { /* an exact int fails only by overflow */
             PyErr_Clear();
             return 0;
         }
@@ -306,7 +291,7 @@ w_route_call(Out *o, PyObject *args, int hashed, uint64_t seed)
         (cands != Py_None && !PyList_CheckExact(cands) && !PyTuple_CheckExact(cands)))
         return 0;
     int r = w_arr(o, 9) ? w_source(o, src, 1, hashed, seed) : -1;
-    if (r <= 0 || (r = w_obj(o, PyTuple_GET_ITEM(args, 1), 0)) <= 0)
+    if (r <= 0 || (r = kvi_w_obj(o, PyTuple_GET_ITEM(args, 1), 0)) <= 0)
         return r;
     r = -1;
     if (load == Py_None) {
@@ -323,14 +308,15 @@ w_route_call(Out *o, PyObject *args, int hashed, uint64_t seed)
                 r = 0;
                 goto done;
             }
-            if ((r = w_obj(o, k, 0)) <= 0 || (r = w_arr(o, 2) ? 1 : -1) < 0 ||
-                (r = w_obj(o, PyTuple_GET_ITEM(v, 0), 0)) <= 0 || (r = w_obj(o, PyTuple_GET_ITEM(v, 1), 0)) <= 0)
+            if ((r = kvi_w_obj(o, k, 0)) <= 0 || (r = w_arr(o, 2) ? 1 : -1) < 0 ||
+                (r = kvi_w_obj(o, PyTuple_GET_ITEM(v, 0), 0)) <= 0 ||
+                (r = kvi_w_obj(o, PyTuple_GET_ITEM(v, 1), 0)) <= 0)
                 goto done;
             r = -1;
         }
     }
     for (int i = 3; i < 7; i++) /* the candidates (an array as list() makes them), scale, record, max_tokens */
-        if ((r = w_obj(o, PyTuple_GET_ITEM(args, i), 0)) <= 0)
+        if ((r = kvi_w_obj(o, PyTuple_GET_ITEM(args, i), 0)) <= 0)
             goto done;
     r = -1;
     if (link == Py_None) {
@@ -354,11 +340,11 @@ w_route_call(Out *o, PyObject *args, int hashed, uint64_t seed)
             PyObject *cols[4] = {PyTuple_GET_ITEM(k, 0), PyTuple_GET_ITEM(k, 1), PyTuple_GET_ITEM(v, 0),
                                  PyTuple_GET_ITEM(v, 1)};
             for (int c = 0; c < 4; c++)
-                if ((r = w_obj(o, cols[c], 0)) <= 0)
+                if ((r = kvi_w_obj(o, cols[c], 0)) <= 0)
                     goto done;
         }
     }
-    r = w_obj(o, PyTuple_GET_ITEM(args, 8), 0);
+    r = kvi_w_obj(o, PyTuple_GET_ITEM(args, 8), 0);
 done:
     return r;
 }
@@ -376,7 +362,7 @@ route_reason(PyObject *score, PyObject *top, int *err)
 }
 
 /* WorkerMatch.tiers of ``best`` (a WorkerMatch, or None: {}): {name: blocks} of its tier
- * items with blocks. 1, 0, -1 as w_obj. */
+ * items with blocks. 1, 0, -1 as kvi_w_obj. */
 static int
 w_tiers(Out *o, PyObject *best)
 {
@@ -398,7 +384,8 @@ w_tiers(Out *o, PyObject *best)
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(items); i++) {
         PyObject *it = PyTuple_GET_ITEM(items, i);
         if (PyObject_IsTrue(PyTuple_GET_ITEM(it, 1)) &&
-            ((r = w_obj(o, PyTuple_GET_ITEM(it, 0), 0)) <= 0 || (r = w_obj(o, PyTuple_GET_ITEM(it, 1), 0)) <= 0))
+            ((r = kvi_w_obj(o, PyTuple_GET_ITEM(it, 0), 0)) <= 0 ||
+             (r = kvi_w_obj(o, PyTuple_GET_ITEM(it, 1), 0)) <= 0))
             return r;
     }
     return 1;
@@ -443,23 +430,23 @@ w_route_answer(Out *o, Out *body, Out *sum, PyObject *result)
     if (err)
         goto done;
     if (json) {
-        if (!w_arr(body, 12) || !w_str(body, "json", 4) || (r = w_obj(body, PyTuple_GET_ITEM(ranking, 0), 0)) <= 0)
+        if (!w_arr(body, 12) || !w_str(body, "json", 4) || (r = kvi_w_obj(body, PyTuple_GET_ITEM(ranking, 0), 0)) <= 0)
             goto done;
         for (int i = 0; i < 5; i++)
-            if ((r = w_obj(body, h[i], 0)) <= 0)
+            if ((r = kvi_w_obj(body, h[i], 0)) <= 0)
                 goto done;
         r = -1;
         if (!w_str(body, reason, strlen(reason)) || (r = w_tiers(body, best)) <= 0 ||
-            (r = w_obj(body, PyTuple_GET_ITEM(ranking, 4), 0)) <= 0 || (r = w_obj(body, rid, 0)) <= 0 ||
-            (r = w_obj(body, PyTuple_GET_ITEM(ranking, 6), 0)) <= 0)
+            (r = kvi_w_obj(body, PyTuple_GET_ITEM(ranking, 4), 0)) <= 0 || (r = kvi_w_obj(body, rid, 0)) <= 0 ||
+            (r = kvi_w_obj(body, PyTuple_GET_ITEM(ranking, 6), 0)) <= 0)
             goto done;
     }
     else {
-        if (!w_map(body, 11) || !w_str(body, "model", 5) || (r = w_obj(body, PyTuple_GET_ITEM(ranking, 0), 0)) <= 0)
+        if (!w_map(body, 11) || !w_str(body, "model", 5) || (r = kvi_w_obj(body, PyTuple_GET_ITEM(ranking, 0), 0)) <= 0)
             goto done;
         for (int i = 0; i < 5; i++) {
             r = -1;
-            if (!w_str(body, name_str[names[i]], strlen(name_str[names[i]])) || (r = w_obj(body, h[i], 0)) <= 0)
+            if (!w_str(body, name_str[names[i]], strlen(name_str[names[i]])) || (r = kvi_w_obj(body, h[i], 0)) <= 0)
                 goto done;
         }
         r = -1;
@@ -467,13 +454,13 @@ w_route_answer(Out *o, Out *body, Out *sum, PyObject *result)
             (r = w_tiers(body, best)) <= 0)
             goto done;
         r = -1;
-        if (!w_str(body, "ranked", 6) || (r = w_obj(body, ranked, 0)) <= 0)
+        if (!w_str(body, "ranked", 6) || (r = kvi_w_obj(body, ranked, 0)) <= 0)
             goto done;
         r = -1;
-        if (!w_str(body, "unused_load", 11) || (r = w_obj(body, PyTuple_GET_ITEM(ranking, 4), 0)) <= 0)
+        if (!w_str(body, "unused_load", 11) || (r = kvi_w_obj(body, PyTuple_GET_ITEM(ranking, 4), 0)) <= 0)
             goto done;
         r = -1;
-        if (!w_str(body, "request_id", 10) || (r = w_obj(body, rid, 0)) <= 0)
+        if (!w_str(body, "request_id", 10) || (r = kvi_w_obj(body, rid, 0)) <= 0)
             goto done;
     }
     r = -1;
@@ -481,7 +468,7 @@ w_route_answer(Out *o, Out *body, Out *sum, PyObject *result)
         goto done;
     PyObject *cols[5] = {rid, h[0], NULL, h[3], h[4]};
     for (int i = 0; i < 5; i++) {
-        if (i == 2 ? !w_str(sum, reason, strlen(reason)) : (r = w_obj(sum, cols[i], 0)) <= 0) {
+        if (i == 2 ? !w_str(sum, reason, strlen(reason)) : (r = kvi_w_obj(sum, cols[i], 0)) <= 0) {
             r = i == 2 ? -1 : r;
             goto done;
         }
@@ -495,7 +482,7 @@ done:
 
 /* ------------------------------------------------------------------ the record */
 
-/* The call ``c``'s record, of kind ``kind`` (not a note), to ``o``: 1, 0, -1 as w_obj.
+/* The call ``c``'s record, of kind ``kind`` (not a note), to ``o``: 1, 0, -1 as kvi_w_obj.
  * ``body`` and ``sum``: scratch for an answer. */
 static int
 w_call(Out *o, Out *body, Out *sum, const KviCall *c, int kind, int hashed, uint64_t seed, PyObject *raised)
@@ -504,12 +491,12 @@ w_call(Out *o, Out *body, Out *sum, const KviCall *c, int kind, int hashed, uint
     if (PyObject_TypeCheck(result, (PyTypeObject *)raised))
         return 0;
     int r;
-    if (!w_arr(o, 5) || (r = w_obj(o, c->op, 0)) < 0)
+    if (!w_arr(o, 5) || (r = kvi_w_obj(o, c->op, 0)) < 0)
         return -1;
     if (r == 0)
         return 0;
     if (c->wall_o != NULL) { /* the tuple's */
-        if ((r = w_obj(o, c->wall_o, 0)) <= 0 || (r = w_obj(o, c->times_o, 0)) <= 0)
+        if ((r = kvi_w_obj(o, c->wall_o, 0)) <= 0 || (r = kvi_w_obj(o, c->times_o, 0)) <= 0)
             return r;
     }
     else {
@@ -532,22 +519,23 @@ w_call(Out *o, Out *body, Out *sum, const KviCall *c, int kind, int hashed, uint
         if (!w_arr(o, 2))
             return -1;
         if ((r = w_source(o, PyTuple_GET_ITEM(args, 0), 0, hashed, seed)) <= 0 ||
-            (r = w_obj(o, PyTuple_GET_ITEM(args, 1), 0)) <= 0)
+            (r = kvi_w_obj(o, PyTuple_GET_ITEM(args, 1), 0)) <= 0)
             return r;
         return w_match_answer(o, body, sum, result);
     case K_MATCH_BY_KEYS: /* args (keys, model): the keys as uint64 bytes (none mode: none), their count */
         if (!PyTuple_CheckExact(args) || PyTuple_GET_SIZE(args) != 2 || !PyList_CheckExact(PyTuple_GET_ITEM(args, 0)))
             return 0;
-        if ((r = w_keys(o, PyTuple_GET_ITEM(args, 0), hashed)) <= 0 || (r = w_obj(o, PyTuple_GET_ITEM(args, 1), 0)) <= 0)
+        if ((r = w_keys(o, PyTuple_GET_ITEM(args, 0), hashed)) <= 0 ||
+            (r = kvi_w_obj(o, PyTuple_GET_ITEM(args, 1), 0)) <= 0)
             return r;
         return w_match_answer(o, body, sum, result);
     case K_GENERIC:
     case K_GENERIC_NONE:
-        if (!PyTuple_CheckExact(args) || (r = w_obj(o, args, 0)) <= 0)
+        if (!PyTuple_CheckExact(args) || (r = kvi_w_obj(o, args, 0)) <= 0)
             return r;
         if (kind == K_GENERIC && result != Py_None) {
             if (PyLong_Check(result) || PyFloat_Check(result) || PyUnicode_Check(result))
-                return w_obj(o, result, 0); /* a scalar kept as it is (a subclass: Python's) */
+                return kvi_w_obj(o, result, 0); /* a scalar kept as it is (a subclass: Python's) */
         }
         return w_nil(o) ? 1 : -1;
     }
@@ -556,12 +544,12 @@ w_call(Out *o, Out *body, Out *sum, const KviCall *c, int kind, int hashed, uint
 
 /* The record ``item`` (journal.py's tuple: ``(op, wall, args, result, times)``, or a
  * note's ``("note", wall, kind, engine, rank, detail)``) of kind ``kind`` to ``o``: 1, 0, -1
- * as w_obj. */
+ * as kvi_w_obj. */
 static int
 w_record(Out *o, Out *body, Out *sum, PyObject *item, int kind, int hashed, uint64_t seed, PyObject *raised)
 {
     if (kind == K_NOTE)
-        return PyTuple_CheckExact(item) ? w_obj(o, item, 0) : 0;
+        return PyTuple_CheckExact(item) ? kvi_w_obj(o, item, 0) : 0;
     if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 5)
         return 0;
     KviCall c = {PyTuple_GET_ITEM(item, 0), PyTuple_GET_ITEM(item, 2), PyTuple_GET_ITEM(item, 3),
