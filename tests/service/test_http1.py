@@ -250,7 +250,7 @@ def test_many_clients_at_once_each_get_their_own_answer(open_server):
             s.close()
 
 
-def test_an_answer_held_for_its_turn_goes_out_before_the_parser_answers_what_follows(open_server):
+def test_R_BAD_1_an_answer_held_for_its_turn_goes_out_before_the_parsers_400(open_server):
     """A pipelined hot request and then bytes that are not HTTP, in one read, on many
     connections at once (so that most answers are held for the end of their turn): each
     connection gets its answer, then the parser's 400 for the rest, then is closed; an
